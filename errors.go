@@ -1,0 +1,167 @@
+package idem
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// Sentinel errors. Every error the package returns for one of these causes
+// matches it with errors.Is; errors that came from PostgreSQL are *Error
+// values that also unwrap to the *pgconn.PgError.
+var (
+	// ErrInvalidInput: an empty, blank, NULL, oversized, non-UTF-8 or
+	// NUL-containing source or key; a bad TTL or lease; a result that is not
+	// JSON. SQLSTATEs 22004, 22023, 22001, 22021, 22P02.
+	ErrInvalidInput = errors.New("idem: invalid input")
+	// ErrResultTooLarge: the stored result would exceed 1 MiB (SQLSTATE 54000).
+	ErrResultTooLarge = errors.New("idem: result too large")
+	// ErrUnknownPolicy: no row in idem.policies for the source and no
+	// default row '*' (SQLSTATE 42704).
+	ErrUnknownPolicy = errors.New("idem: no retention policy for source")
+	// ErrIsolationNotSupported: idem.claim was called in a REPEATABLE READ
+	// transaction (SQLSTATE 0A000). Use READ COMMITTED or SERIALIZABLE.
+	ErrIsolationNotSupported = errors.New("idem: isolation level not supported")
+	// ErrSerialization: the transaction lost a race (SQLSTATE 40001 or
+	// 40P01); retry the whole transaction.
+	ErrSerialization = errors.New("idem: serialization failure, retry the transaction")
+	// ErrNotMigrated: schema idem or its functions are missing; apply the
+	// migrations (idemctl migrate up, or package migrate).
+	ErrNotMigrated = errors.New("idem: schema idem is missing or out of date; run the migrations")
+
+	// ErrStaleToken: complete/fail/extend with a token that no longer owns
+	// the key (the lease was lost and another worker re-acquired it, or the
+	// key was finished). Nothing was changed.
+	ErrStaleToken = errors.New("idem: stale token, another worker owns this key")
+	// ErrNotFound: complete/fail/extend of a key that has no live row.
+	ErrNotFound = errors.New("idem: key not found")
+
+	// ErrInProgress: Do found another worker holding a live lease on the key.
+	ErrInProgress = errors.New("idem: key is being processed by another worker")
+	// ErrMismatch: Do found the key used before with a different fingerprint.
+	ErrMismatch = errors.New("idem: key reused with a different request fingerprint")
+	// ErrFailed: Do found a permanent failure recorded for the key; the
+	// returned error is a *FailedError carrying its message.
+	ErrFailed = errors.New("idem: key failed permanently")
+	// ErrLeaseLost: Do's work finished, but its lease had been lost and
+	// another worker re-acquired the key; its result was not stored.
+	ErrLeaseLost = errors.New("idem: lease lost while the work ran")
+)
+
+// Error is an error from PostgreSQL while running an idem operation.
+type Error struct {
+	Op     string // "claim", "complete", "fail" or "extend"
+	Source string
+	Key    string
+	Kind   error // one of the sentinels above, or nil when none fits
+	Err    error // the underlying error, usually a *pgconn.PgError
+}
+
+func (e *Error) Error() string {
+	return fmt.Sprintf("idem: %s %q/%q: %v", e.Op, e.Source, e.Key, e.Err)
+}
+
+// Unwrap lets errors.Is/As reach both the sentinel and the driver error.
+func (e *Error) Unwrap() []error {
+	if e.Kind == nil {
+		return []error{e.Err}
+	}
+	return []error{e.Kind, e.Err}
+}
+
+// SQLState returns the PostgreSQL error code, or "" when there is none.
+func (e *Error) SQLState() string {
+	var pg *pgconn.PgError
+	if errors.As(e.Err, &pg) {
+		return pg.Code
+	}
+	return ""
+}
+
+// FailedError is returned by Do for a key whose work failed permanently.
+type FailedError struct {
+	Message string // the error recorded by idem.fail
+}
+
+func (e *FailedError) Error() string { return "idem: key failed permanently: " + e.Message }
+
+// Is reports FailedError as ErrFailed.
+func (e *FailedError) Is(target error) bool { return target == ErrFailed }
+
+// PanicError is returned by Do when the work panicked. The key was released
+// as a retryable failure.
+type PanicError struct {
+	Value any
+	Stack []byte
+}
+
+func (e *PanicError) Error() string { return fmt.Sprintf("idem: work panicked: %v", e.Value) }
+
+type permanent struct{ err error }
+
+func (p permanent) Error() string { return p.err.Error() }
+func (p permanent) Unwrap() error { return p.err }
+
+// Permanent marks an error returned from Do's work as permanent: the key is
+// recorded as failed and later deliveries get ErrFailed instead of running
+// the work again. Other errors release the key for a retry.
+func Permanent(err error) error {
+	if err == nil {
+		return nil
+	}
+	return permanent{err}
+}
+
+// IsPermanent reports whether err was marked with Permanent.
+func IsPermanent(err error) bool {
+	var p permanent
+	return errors.As(err, &p)
+}
+
+// convert turns a driver error into an *Error with its sentinel. It is the
+// one place where PostgreSQL error codes are interpreted.
+func convert(op, source, key string, err error) error {
+	if err == nil {
+		return nil
+	}
+	e := &Error{Op: op, Source: source, Key: key, Err: err}
+	var pg *pgconn.PgError
+	switch {
+	case errors.As(err, &pg):
+		switch pg.Code {
+		case "22004", "22023", "22001", "22021", "22P02":
+			e.Kind = ErrInvalidInput
+		case "54000":
+			e.Kind = ErrResultTooLarge
+		case "42704":
+			e.Kind = ErrUnknownPolicy
+		case "0A000":
+			e.Kind = ErrIsolationNotSupported
+		case "40001", "40P01":
+			e.Kind = ErrSerialization
+		case "3F000", "42883", "42P01":
+			e.Kind = ErrNotMigrated
+		}
+	case errors.Is(err, pgx.ErrNoRows):
+		// The protocol functions always return a row; none means the
+		// function is not the one this package was built for.
+		e.Kind = ErrNotMigrated
+	}
+	return e
+}
+
+// outcomeErr maps the text outcome of complete/fail/extend to an error.
+func outcomeErr(op, source, key, outcome string) error {
+	switch outcome {
+	case "completed", "already_completed", "failed", "extended":
+		return nil
+	case "stale_token":
+		return &Error{Op: op, Source: source, Key: key, Kind: ErrStaleToken, Err: ErrStaleToken}
+	case "not_found":
+		return &Error{Op: op, Source: source, Key: key, Kind: ErrNotFound, Err: ErrNotFound}
+	}
+	return &Error{Op: op, Source: source, Key: key, Kind: ErrNotMigrated,
+		Err: fmt.Errorf("unexpected outcome %q from idem.%s", outcome, op)}
+}

@@ -1,0 +1,224 @@
+// Package testdb gives tests a real PostgreSQL server.
+//
+// With IDEM_TEST_DATABASE_URL set, tests use that server (the role needs
+// CREATEDB: every test gets a database of its own). Without it, the package
+// starts a throwaway cluster from the local server binaries (IDEM_PG_BINDIR,
+// `pg_config --bindir`, PATH, /usr/lib/postgresql/*/bin), as the postgres OS
+// user when running as root, and removes it when the tests end. When neither
+// works, tests fail with a message that says how to get a server: a database
+// test never skips.
+package testdb
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// EnvURL names the variable that points tests at an existing server.
+const EnvURL = "IDEM_TEST_DATABASE_URL"
+
+// EnvBinDir names the variable that points at PostgreSQL server binaries.
+const EnvBinDir = "IDEM_PG_BINDIR"
+
+const howToGetOne = "install the PostgreSQL server (Debian/Ubuntu: apt-get install postgresql) " +
+	"or set " + EnvURL + " to a server where the role may CREATE DATABASE"
+
+// Cluster is a throwaway PostgreSQL cluster owned by this process.
+type Cluster struct {
+	BinDir  string
+	Dir     string // holds data/, the socket and the log
+	Port    int
+	cmd     *exec.Cmd
+	cred    *syscall.Credential
+	exited  chan struct{}
+	waitErr error
+}
+
+// URL is a keyword/value connection string for database name on the cluster,
+// over the Unix socket.
+func (c *Cluster) URL(database string) string {
+	return fmt.Sprintf("host=%s port=%d user=postgres dbname=%s sslmode=disable", c.Dir, c.Port, database)
+}
+
+// TCPURL is the same over TCP on 127.0.0.1, for tools that need a port.
+func (c *Cluster) TCPURL(database string) string {
+	return fmt.Sprintf("postgres://postgres@127.0.0.1:%d/%s?sslmode=disable", c.Port, database)
+}
+
+// FindBinDir locates a directory holding initdb, pg_ctl and postgres.
+func FindBinDir() (string, error) {
+	var candidates []string
+	if d := os.Getenv(EnvBinDir); d != "" {
+		candidates = append(candidates, d)
+	}
+	if out, err := exec.Command("pg_config", "--bindir").Output(); err == nil {
+		candidates = append(candidates, strings.TrimSpace(string(out)))
+	}
+	if p, err := exec.LookPath("initdb"); err == nil {
+		if r, err := filepath.EvalSymlinks(p); err == nil {
+			candidates = append(candidates, filepath.Dir(r))
+		}
+		candidates = append(candidates, filepath.Dir(p))
+	}
+	globbed, _ := filepath.Glob("/usr/lib/postgresql/*/bin")
+	sort.Slice(globbed, func(i, j int) bool { return versionOf(globbed[i]) > versionOf(globbed[j]) })
+	candidates = append(candidates, globbed...)
+	for _, d := range candidates {
+		if isExec(filepath.Join(d, "initdb")) && isExec(filepath.Join(d, "postgres")) {
+			return d, nil
+		}
+	}
+	return "", errors.New("no PostgreSQL server binaries (initdb, postgres) found in " +
+		EnvBinDir + ", pg_config --bindir, PATH or /usr/lib/postgresql/*/bin")
+}
+
+func versionOf(binDir string) int {
+	v, _ := strconv.Atoi(filepath.Base(filepath.Dir(binDir)))
+	return v
+}
+
+func isExec(p string) bool {
+	st, err := os.Stat(p)
+	return err == nil && !st.IsDir() && st.Mode()&0o111 != 0
+}
+
+// StartCluster initializes and starts a cluster in a new temporary directory.
+// The server is a child of this process and dies with it.
+func StartCluster(ctx context.Context) (*Cluster, error) {
+	bin, err := FindBinDir()
+	if err != nil {
+		return nil, err
+	}
+	c := &Cluster{BinDir: bin, exited: make(chan struct{})}
+	if os.Geteuid() == 0 {
+		u, err := user.Lookup("postgres")
+		if err != nil {
+			return nil, errors.New("running as root, and PostgreSQL refuses to run as root, " +
+				"but there is no 'postgres' OS user to run it as (the Debian postgresql package creates one)")
+		}
+		uid, _ := strconv.Atoi(u.Uid)
+		gid, _ := strconv.Atoi(u.Gid)
+		c.cred = &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}
+	}
+	c.Dir, err = os.MkdirTemp("", "idem-pg-")
+	if err != nil {
+		return nil, err
+	}
+	if c.cred != nil {
+		if err := os.Chown(c.Dir, int(c.cred.Uid), int(c.cred.Gid)); err != nil {
+			c.Remove()
+			return nil, err
+		}
+	}
+	if c.Port, err = freePort(); err != nil {
+		c.Remove()
+		return nil, err
+	}
+	data := filepath.Join(c.Dir, "data")
+	initdb := exec.CommandContext(ctx, filepath.Join(bin, "initdb"),
+		"-D", data, "-U", "postgres", "-A", "trust", "-E", "UTF8", "--locale=C", "--no-sync")
+	initdb.SysProcAttr = &syscall.SysProcAttr{Credential: c.cred}
+	if out, err := initdb.CombinedOutput(); err != nil {
+		c.Remove()
+		return nil, fmt.Errorf("initdb: %v\n%s", err, out)
+	}
+	logf, err := os.Create(filepath.Join(c.Dir, "postgres.log"))
+	if err != nil {
+		c.Remove()
+		return nil, err
+	}
+	defer logf.Close()
+	c.cmd = exec.Command(filepath.Join(bin, "postgres"),
+		"-D", data,
+		"-p", strconv.Itoa(c.Port),
+		"-c", "listen_addresses=127.0.0.1",
+		"-c", "unix_socket_directories="+c.Dir,
+		// A throwaway cluster: durability off, room for racing tests.
+		"-c", "fsync=off",
+		"-c", "synchronous_commit=off",
+		"-c", "full_page_writes=off",
+		"-c", "max_connections=400",
+		"-c", "max_locks_per_transaction=256",
+		"-c", "shared_buffers=256MB",
+		"-c", "max_pred_locks_per_transaction=256",
+		"-c", "log_min_messages=warning",
+	)
+	c.cmd.Stdout, c.cmd.Stderr = logf, logf
+	c.cmd.SysProcAttr = &syscall.SysProcAttr{Credential: c.cred, Pdeathsig: syscall.SIGQUIT, Setpgid: true}
+	if err := c.cmd.Start(); err != nil {
+		c.Remove()
+		return nil, fmt.Errorf("start postgres: %w", err)
+	}
+	go func() { c.waitErr = c.cmd.Wait(); close(c.exited) }()
+	if err := c.waitReady(ctx, 60*time.Second); err != nil {
+		log, _ := os.ReadFile(filepath.Join(c.Dir, "postgres.log"))
+		c.Stop()
+		return nil, fmt.Errorf("%w\npostgres log:\n%s", err, log)
+	}
+	return c, nil
+}
+
+func (c *Cluster) waitReady(ctx context.Context, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		select {
+		case <-c.exited:
+			return fmt.Errorf("postgres exited during startup: %v", c.waitErr)
+		default:
+		}
+		cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		conn, err := pgx.Connect(cctx, c.URL("postgres"))
+		cancel()
+		if err == nil {
+			conn.Close(ctx)
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("postgres did not accept connections within %s: %w", timeout, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// Stop shuts the server down (fast shutdown) and removes its directory.
+func (c *Cluster) Stop() {
+	if c.cmd != nil && c.cmd.Process != nil {
+		_ = c.cmd.Process.Signal(syscall.SIGINT)
+		select {
+		case <-c.exited:
+		case <-time.After(30 * time.Second):
+			_ = c.cmd.Process.Kill()
+			<-c.exited
+		}
+	}
+	c.Remove()
+}
+
+// Remove deletes the cluster's directory.
+func (c *Cluster) Remove() {
+	if c.Dir != "" {
+		_ = os.RemoveAll(c.Dir)
+	}
+}
+
+func freePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}

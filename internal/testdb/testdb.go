@@ -1,0 +1,230 @@
+package testdb
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	_ "github.com/jackc/pgx/v5/stdlib" // database/sql driver "pgx"
+
+	"github.com/idemkit/idem/migrate"
+)
+
+// server is what Main set up: an admin connection string to a server.
+var server struct {
+	adminURL string   // connects to a maintenance database as a role that may create databases
+	cluster  *Cluster // nil when EnvURL was used
+	prefix   string   // database name prefix unique to this process
+}
+
+var (
+	templateOnce sync.Once
+	templateName string
+	templateErr  error
+	counter      atomic.Int64
+)
+
+// Main runs m against a real PostgreSQL server and exits. Call it from
+// TestMain of every package whose tests use the database.
+func Main(m *testing.M) {
+	os.Exit(run(m))
+}
+
+func run(m *testing.M) int {
+	ctx := context.Background()
+	server.prefix = fmt.Sprintf("idem_t%d_%d", os.Getpid(), rand.IntN(1e6))
+	if u := os.Getenv(EnvURL); u != "" {
+		server.adminURL = u
+		if err := ping(ctx, u); err != nil {
+			fmt.Fprintf(os.Stderr, "testdb: %s is set but the server cannot be reached: %v\n", EnvURL, err)
+			return 1
+		}
+	} else {
+		c, err := StartCluster(ctx)
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "testdb: these tests need a PostgreSQL server and none could be started: %v\nTo fix: %s.\n", err, howToGetOne)
+			return 1
+		}
+		server.cluster = c
+		server.adminURL = c.URL("postgres")
+	}
+	code := m.Run()
+	if templateName != "" {
+		_ = dropDatabase(ctx, templateName)
+	}
+	if server.cluster != nil {
+		server.cluster.Stop()
+	}
+	return code
+}
+
+func ping(ctx context.Context, url string) error {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return err
+	}
+	return conn.Close(ctx)
+}
+
+func requireServer(t testing.TB) {
+	t.Helper()
+	if server.adminURL == "" {
+		t.Fatalf("testdb: no server: call testdb.Main(m) from TestMain of this package. %s.", howToGetOne)
+	}
+}
+
+// Cluster returns the throwaway cluster, or nil when EnvURL is in use.
+func CurrentCluster() *Cluster { return server.cluster }
+
+// AdminURL is the connection string of the maintenance database.
+func AdminURL(t testing.TB) string {
+	requireServer(t)
+	return server.adminURL
+}
+
+// URLFor returns the connection string for database name on the test server.
+func URLFor(t testing.TB, name string) string {
+	requireServer(t)
+	cfg, err := pgx.ParseConfig(server.adminURL)
+	if err != nil {
+		t.Fatalf("testdb: parse admin URL: %v", err)
+	}
+	return withDatabase(server.adminURL, cfg, name)
+}
+
+func withDatabase(adminURL string, cfg *pgx.ConnConfig, name string) string {
+	if strings.Contains(adminURL, "://") {
+		// URL form: replace the path.
+		i := strings.Index(adminURL, "://")
+		rest := adminURL[i+3:]
+		q := ""
+		if j := strings.IndexByte(rest, '?'); j >= 0 {
+			rest, q = rest[:j], rest[j:]
+		}
+		if j := strings.IndexByte(rest, '/'); j >= 0 {
+			rest = rest[:j]
+		}
+		return adminURL[:i+3] + rest + "/" + name + q
+	}
+	return adminURL + " dbname=" + name
+}
+
+// NewEmpty creates an empty database for t and drops it when t ends. It
+// returns the database's connection string.
+func NewEmpty(t testing.TB) string {
+	t.Helper()
+	requireServer(t)
+	return create(t, "template0")
+}
+
+// New creates a database for t with idem's migrations applied and a test
+// clock installed (see SetClock), and drops it when t ends.
+func New(t testing.TB) string {
+	t.Helper()
+	requireServer(t)
+	templateOnce.Do(func() { templateName, templateErr = buildTemplate() })
+	if templateErr != nil {
+		t.Fatalf("testdb: build template database: %v", templateErr)
+	}
+	return create(t, templateName)
+}
+
+func create(t testing.TB, template string) string {
+	t.Helper()
+	ctx := context.Background()
+	name := fmt.Sprintf("%s_%d", server.prefix, counter.Add(1))
+	if err := execSQL(ctx, server.adminURL, fmt.Sprintf("CREATE DATABASE %s TEMPLATE %s",
+		pgx.Identifier{name}.Sanitize(), pgx.Identifier{template}.Sanitize())); err != nil {
+		t.Fatalf("testdb: create database: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := dropDatabase(context.Background(), name); err != nil {
+			t.Errorf("testdb: drop database %s: %v", name, err)
+		}
+	})
+	return URLFor(t, name)
+}
+
+// buildTemplate makes the migrated template database that New copies. It is
+// built once per process and has no open connections afterwards (CREATE
+// DATABASE refuses a template that has any).
+func buildTemplate() (string, error) {
+	ctx := context.Background()
+	name := server.prefix + "_tmpl"
+	if err := execSQL(ctx, server.adminURL, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()+" TEMPLATE template0"); err != nil {
+		return "", err
+	}
+	cfg, err := pgx.ParseConfig(server.adminURL)
+	if err != nil {
+		return "", err
+	}
+	url := withDatabase(server.adminURL, cfg, name)
+	db, err := sql.Open("pgx", url)
+	if err != nil {
+		return "", err
+	}
+	defer db.Close()
+	if _, err := migrate.Up(ctx, db); err != nil {
+		return "", fmt.Errorf("migrate up: %w", err)
+	}
+	if _, err := db.ExecContext(ctx, testClockSQL); err != nil {
+		return "", fmt.Errorf("install test clock: %w", err)
+	}
+	return name, db.Close()
+}
+
+// testClockSQL replaces idem.clock() in test databases so that a session can
+// pretend to live at another time: SET idem.test_now = '2026-10-31 23:59:59Z'.
+const testClockSQL = `
+CREATE OR REPLACE FUNCTION idem.clock() RETURNS timestamptz
+    LANGUAGE sql VOLATILE PARALLEL SAFE
+AS $$ SELECT coalesce(nullif(pg_catalog.current_setting('idem.test_now', true), '')::timestamptz,
+                      pg_catalog.clock_timestamp()) $$`
+
+// ClockParam is the run-time parameter the test clock reads.
+const ClockParam = "idem.test_now"
+
+func execSQL(ctx context.Context, url, sql string) error {
+	ctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(ctx)
+	_, err = conn.Exec(ctx, sql)
+	return err
+}
+
+func dropDatabase(ctx context.Context, name string) error {
+	return execSQL(ctx, server.adminURL, "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)")
+}
+
+// Pool opens a pool on url sized for racing tests and closes it when t ends.
+func Pool(t testing.TB, url string, maxConns int32) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		t.Fatalf("testdb: parse %q: %v", url, err)
+	}
+	if maxConns > 0 {
+		cfg.MaxConns = maxConns
+	}
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatalf("testdb: pool: %v", err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}

@@ -1,0 +1,34 @@
+-- The claim protocol. Every query calls one idem.* function; the columns are
+-- cast so that sqlc generates precise types instead of interface{}.
+-- Durations travel as milliseconds so both drivers agree on their type.
+
+-- name: Claim :one
+SELECT c.outcome::text             AS outcome,
+       coalesce(c.token, 0)::bigint AS token,
+       c.attempt::integer          AS attempt,
+       c.lease_expires_at::timestamptz AS lease_expires_at,
+       c.result::jsonb             AS result,
+       coalesce(c.error, '')::text AS error,
+       c.first_seen::timestamptz   AS first_seen,
+       c.expires_at::timestamptz   AS expires_at
+  FROM idem.claim(
+         sqlc.arg(source)::text,
+         sqlc.arg(key)::text,
+         sqlc.narg(fingerprint)::text,
+         sqlc.narg(ttl_ms)::bigint * interval '1 millisecond',
+         sqlc.narg(lease_ms)::bigint * interval '1 millisecond',
+         sqlc.narg(event_type)::text) AS c;
+
+-- name: Complete :one
+SELECT idem.complete(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.arg(token)::bigint,
+                     sqlc.narg(result)::jsonb)::text AS outcome;
+
+-- name: Fail :one
+SELECT idem.fail(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.arg(token)::bigint,
+                 sqlc.narg(error)::text, sqlc.arg(retryable)::boolean)::text AS outcome;
+
+-- name: Extend :one
+SELECT e.outcome::text                AS outcome,
+       e.lease_expires_at::timestamptz AS lease_expires_at
+  FROM idem.extend(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.arg(token)::bigint,
+                   sqlc.narg(lease_ms)::bigint * interval '1 millisecond') AS e;
