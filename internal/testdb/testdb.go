@@ -129,31 +129,66 @@ func NewEmpty(t testing.TB) string {
 }
 
 // New creates a database for t with idem's migrations applied and a test
-// clock installed (see SetClock), and drops it when t ends.
+// clock installed (see ClockParam), and drops it when t ends.
 func New(t testing.TB) string {
 	t.Helper()
-	requireServer(t)
+	url, drop, err := Create()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := drop(); err != nil {
+			t.Errorf("%v", err)
+		}
+	})
+	return url
+}
+
+// Create is New for code without a testing.TB (Example functions): it
+// returns the database's connection string and a function that drops it.
+func Create() (url string, drop func() error, err error) {
+	if server.adminURL == "" {
+		return "", nil, fmt.Errorf("testdb: no server: call testdb.Main(m) from TestMain of this package. %s", howToGetOne)
+	}
 	templateOnce.Do(func() { templateName, templateErr = buildTemplate() })
 	if templateErr != nil {
-		t.Fatalf("testdb: build template database: %v", templateErr)
+		return "", nil, fmt.Errorf("testdb: build template database: %w", templateErr)
 	}
-	return create(t, templateName)
+	return createFrom(templateName)
 }
 
 func create(t testing.TB, template string) string {
 	t.Helper()
+	url, drop, err := createFrom(template)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := drop(); err != nil {
+			t.Errorf("%v", err)
+		}
+	})
+	return url
+}
+
+func createFrom(template string) (string, func() error, error) {
 	ctx := context.Background()
 	name := fmt.Sprintf("%s_%d", server.prefix, counter.Add(1))
 	if err := execSQL(ctx, server.adminURL, fmt.Sprintf("CREATE DATABASE %s TEMPLATE %s",
 		pgx.Identifier{name}.Sanitize(), pgx.Identifier{template}.Sanitize())); err != nil {
-		t.Fatalf("testdb: create database: %v", err)
+		return "", nil, fmt.Errorf("testdb: create database: %w", err)
 	}
-	t.Cleanup(func() {
+	cfg, err := pgx.ParseConfig(server.adminURL)
+	if err != nil {
+		return "", nil, err
+	}
+	drop := func() error {
 		if err := dropDatabase(context.Background(), name); err != nil {
-			t.Errorf("testdb: drop database %s: %v", name, err)
+			return fmt.Errorf("testdb: drop database %s: %w", name, err)
 		}
-	})
-	return URLFor(t, name)
+		return nil
+	}
+	return withDatabase(server.adminURL, cfg, name), drop, nil
 }
 
 // buildTemplate makes the migrated template database that New copies. It is
@@ -221,6 +256,26 @@ func Pool(t testing.TB, url string, maxConns int32) *pgxpool.Pool {
 	if maxConns > 0 {
 		cfg.MaxConns = maxConns
 	}
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatalf("testdb: pool: %v", err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// PoolAt is Pool whose sessions live at the given time, as far as idem's
+// test clock is concerned (idem.clock() returns at instead of the time).
+func PoolAt(t testing.TB, url string, maxConns int32, at time.Time) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		t.Fatalf("testdb: parse %q: %v", url, err)
+	}
+	if maxConns > 0 {
+		cfg.MaxConns = maxConns
+	}
+	cfg.ConnConfig.RuntimeParams[ClockParam] = at.UTC().Format(time.RFC3339Nano)
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	if err != nil {
 		t.Fatalf("testdb: pool: %v", err)
