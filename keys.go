@@ -76,7 +76,7 @@ func Canonical(v any) ([]byte, error) {
 	if err := dec.Decode(&generic); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidInput, err)
 	}
-	if m, ok := generic.(map[string]any); ok && len(m) == 0 {
+	if m, ok := generic.(map[string]any); generic == nil || ok && len(m) == 0 {
 		return nil, fmt.Errorf("%w: no fields to derive a key from", ErrInvalidInput)
 	}
 	var buf bytes.Buffer

@@ -1,0 +1,136 @@
+package idem_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/internal/testdb"
+)
+
+// examplePool opens a pool on a fresh database from the test harness. In an
+// application this is simply pgxpool.New(ctx, os.Getenv("DATABASE_URL")).
+func examplePool() (*pgxpool.Pool, func()) {
+	url, drop, err := testdb.Create()
+	if err != nil {
+		log.Fatal(err)
+	}
+	pool, err := pgxpool.New(context.Background(), url)
+	if err != nil {
+		log.Fatal(err)
+	}
+	return pool, func() { pool.Close(); _ = drop() }
+}
+
+// A webhook handler: the work runs once however often the event arrives.
+func ExampleClient_Do() {
+	ctx := context.Background()
+	pool, done := examplePool()
+	defer done()
+	c := idem.New(pool, nil)
+
+	for delivery := 1; delivery <= 3; delivery++ {
+		res, err := c.Do(ctx, "stripe", "evt_1NG8Du2eZvKYlo2C", func(ctx context.Context) (any, error) {
+			fmt.Println("charging the customer")
+			return map[string]any{"charged": 4200}, nil
+		})
+		if err != nil {
+			log.Fatal(err)
+		}
+		fmt.Printf("delivery %d: result %s, replayed %v\n", delivery, res.Result, res.Replayed)
+	}
+	// Output:
+	// charging the customer
+	// delivery 1: result {"charged":4200}, replayed false
+	// delivery 2: result {"charged": 4200}, replayed true
+	// delivery 3: result {"charged": 4200}, replayed true
+}
+
+// Claim, do the work, complete: the protocol step by step, with what a
+// duplicate sees at each point.
+func ExampleClient_Claim() {
+	ctx := context.Background()
+	pool, done := examplePool()
+	defer done()
+	c := idem.New(pool, nil)
+
+	first, _ := c.Claim(ctx, "github", "72d3162e-cc78-11e3-81ab-4c9367dc0958", idem.WithLease(30*time.Second))
+	fmt.Println("first delivery:", first.Outcome, "attempt", first.Attempt)
+
+	dup, _ := c.Claim(ctx, "github", "72d3162e-cc78-11e3-81ab-4c9367dc0958")
+	fmt.Println("duplicate while working:", dup.Outcome)
+
+	_ = c.Complete(ctx, "github", "72d3162e-cc78-11e3-81ab-4c9367dc0958", first.Token, json.RawMessage(`{"status":200}`))
+	dup, _ = c.Claim(ctx, "github", "72d3162e-cc78-11e3-81ab-4c9367dc0958")
+	fmt.Println("duplicate after completion:", dup.Outcome, string(dup.Result))
+
+	// The first worker's token is spent; it cannot complete twice with
+	// another result, and a stranger's token is refused.
+	err := c.Complete(ctx, "github", "72d3162e-cc78-11e3-81ab-4c9367dc0958", first.Token+1, nil)
+	fmt.Println("complete with a stale token:", errors.Is(err, idem.ErrStaleToken))
+	// Output:
+	// first delivery: acquired attempt 1
+	// duplicate while working: in_progress
+	// duplicate after completion: completed {"status": 200}
+	// complete with a stale token: true
+}
+
+// Exactly-once database effects: claim inside the transaction that writes
+// the business data, so both commit or neither does.
+func ExampleClient_WithTx() {
+	ctx := context.Background()
+	pool, done := examplePool()
+	defer done()
+	if _, err := pool.Exec(ctx, `CREATE TABLE payments (event_id text PRIMARY KEY, amount int)`); err != nil {
+		log.Fatal(err)
+	}
+	c := idem.New(pool, nil)
+
+	handle := func(eventID string, amount int) error {
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			return err
+		}
+		defer tx.Rollback(ctx)
+		_, err = c.WithTx(tx).Do(ctx, "stripe", eventID, func(ctx context.Context) (any, error) {
+			_, err := tx.Exec(ctx, `INSERT INTO payments VALUES ($1, $2)`, eventID, amount)
+			return nil, err
+		})
+		if err != nil {
+			return err
+		}
+		return tx.Commit(ctx)
+	}
+	for range 3 {
+		if err := handle("evt_42", 1500); err != nil {
+			log.Fatal(err)
+		}
+	}
+	var n, total int
+	_ = pool.QueryRow(ctx, `SELECT count(*), sum(amount) FROM payments`).Scan(&n, &total)
+	fmt.Println("payments:", n, "total:", total)
+	// Output:
+	// payments: 1 total: 1500
+}
+
+// Keys for operations that have no provider event id.
+func ExampleHashKey() {
+	a, _ := idem.HashKey(map[string]any{"user": 7, "cart": "c-19", "total": 12.50})
+	b, _ := idem.HashKey(map[string]any{"total": 12.50, "cart": "c-19", "user": 7})
+	fmt.Println(a == b, len(a))
+
+	t := time.Date(2026, 11, 22, 10, 0, 5, 0, time.UTC)
+	tap1, _ := idem.BucketedKey(map[string]any{"form": "signup", "email": "a@b.c"}, t, time.Minute)
+	tap2, _ := idem.BucketedKey(map[string]any{"form": "signup", "email": "a@b.c"}, t.Add(20*time.Second), time.Minute)
+	later, _ := idem.BucketedKey(map[string]any{"form": "signup", "email": "a@b.c"}, t.Add(2*time.Minute), time.Minute)
+	fmt.Println(tap1 == tap2, tap1 == later)
+	// Output:
+	// true 64
+	// true false
+}
