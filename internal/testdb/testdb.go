@@ -1,3 +1,10 @@
+// Package testdb gives tests a real PostgreSQL server.
+//
+// With IDEM_TEST_DATABASE_URL set, tests use that server (the role needs
+// CREATEDB: every test gets a database of its own). Without it, Main starts
+// a throwaway cluster (package pgcluster) and removes it when the tests
+// end. When neither works, tests fail with a message that says how to get a
+// server: a database test never skips.
 package testdb
 
 import (
@@ -16,14 +23,20 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	_ "github.com/jackc/pgx/v5/stdlib" // database/sql driver "pgx"
 
+	"github.com/idemkit/idem/internal/pgcluster"
 	"github.com/idemkit/idem/migrate"
 )
 
+// EnvURL names the variable that points tests at an existing server.
+const EnvURL = "IDEM_TEST_DATABASE_URL"
+
+const howToGetOne = pgcluster.InstallHint + ", or set " + EnvURL + " to a server where the role may CREATE DATABASE"
+
 // server is what Main set up: an admin connection string to a server.
 var server struct {
-	adminURL string   // connects to a maintenance database as a role that may create databases
-	cluster  *Cluster // nil when EnvURL was used
-	prefix   string   // database name prefix unique to this process
+	adminURL string             // connects to a maintenance database as a role that may create databases
+	cluster  *pgcluster.Cluster // nil when EnvURL was used
+	prefix   string             // database name prefix unique to this process
 }
 
 var (
@@ -49,7 +62,7 @@ func run(m *testing.M) int {
 			return 1
 		}
 	} else {
-		c, err := StartCluster(ctx)
+		c, err := pgcluster.Start(ctx)
 		if err != nil {
 			fmt.Fprintf(os.Stderr, "testdb: these tests need a PostgreSQL server and none could be started: %v\nTo fix: %s.\n", err, howToGetOne)
 			return 1
@@ -84,8 +97,8 @@ func requireServer(t testing.TB) {
 	}
 }
 
-// Cluster returns the throwaway cluster, or nil when EnvURL is in use.
-func CurrentCluster() *Cluster { return server.cluster }
+// CurrentCluster returns the throwaway cluster, or nil when EnvURL is in use.
+func CurrentCluster() *pgcluster.Cluster { return server.cluster }
 
 // AdminURL is the connection string of the maintenance database.
 func AdminURL(t testing.TB) string {

@@ -1,13 +1,9 @@
-// Package testdb gives tests a real PostgreSQL server.
-//
-// With IDEM_TEST_DATABASE_URL set, tests use that server (the role needs
-// CREATEDB: every test gets a database of its own). Without it, the package
-// starts a throwaway cluster from the local server binaries (IDEM_PG_BINDIR,
-// `pg_config --bindir`, PATH, /usr/lib/postgresql/*/bin), as the postgres OS
-// user when running as root, and removes it when the tests end. When neither
-// works, tests fail with a message that says how to get a server: a database
-// test never skips.
-package testdb
+// Package pgcluster starts a throwaway PostgreSQL cluster from the local
+// server binaries (IDEM_PG_BINDIR, `pg_config --bindir`, PATH,
+// /usr/lib/postgresql/*/bin), as the postgres OS user when running as root
+// (PostgreSQL refuses to run as root). The test harness and `idemctl demo`
+// use it; the server is a child of the calling process and dies with it.
+package pgcluster
 
 import (
 	"context"
@@ -27,14 +23,11 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// EnvURL names the variable that points tests at an existing server.
-const EnvURL = "IDEM_TEST_DATABASE_URL"
-
 // EnvBinDir names the variable that points at PostgreSQL server binaries.
 const EnvBinDir = "IDEM_PG_BINDIR"
 
-const howToGetOne = "install the PostgreSQL server (Debian/Ubuntu: apt-get install postgresql) " +
-	"or set " + EnvURL + " to a server where the role may CREATE DATABASE"
+// InstallHint says how to get the server binaries.
+const InstallHint = "install the PostgreSQL server (Debian/Ubuntu: apt-get install postgresql)"
 
 // Cluster is a throwaway PostgreSQL cluster owned by this process.
 type Cluster struct {
@@ -95,9 +88,9 @@ func isExec(p string) bool {
 	return err == nil && !st.IsDir() && st.Mode()&0o111 != 0
 }
 
-// StartCluster initializes and starts a cluster in a new temporary directory.
+// Start initializes and starts a cluster in a new temporary directory.
 // The server is a child of this process and dies with it.
-func StartCluster(ctx context.Context) (*Cluster, error) {
+func Start(ctx context.Context) (*Cluster, error) {
 	bin, err := FindBinDir()
 	if err != nil {
 		return nil, err

@@ -1,0 +1,32 @@
+# idem: the two commands that matter are `make demo` (quick start) and
+# `make test` (what CI runs). Everything runs against a real PostgreSQL; the
+# test harness starts a throwaway one when IDEM_TEST_DATABASE_URL is unset.
+
+SQLC := go tool -modfile=tools/go.mod sqlc
+
+.PHONY: test vet generate sqlc-check fuzz build ci
+
+test:
+	go test ./...
+
+vet:
+	go vet ./...
+
+build:
+	go build -o bin/idemctl ./cmd/idemctl
+
+# Regenerate db/ from sql/queries and sql/migrations with the pinned sqlc.
+generate:
+	$(SQLC) generate
+
+# Fails when the committed db/ differs from what sqlc would generate.
+sqlc-check:
+	$(SQLC) diff
+
+# Each fuzz target briefly; FUZZTIME=5m for a longer run.
+FUZZTIME ?= 10s
+fuzz:
+	go test -run '^$$' -fuzz '^FuzzHashKey$$' -fuzztime $(FUZZTIME) .
+
+ci:
+	CI=true bash .ci/run
