@@ -1,0 +1,164 @@
+// Package cli is idemctl: every command is a function of its arguments, an
+// environment lookup and two writers, so tests run it in-process.
+package cli
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"sort"
+	"strings"
+	"time"
+)
+
+// Exit codes. They are part of idemctl's interface (docs/idemctl.md).
+const (
+	ExitOK          = 0 // success, including "skipped: another instance holds the lock"
+	ExitError       = 1 // an unexpected failure while running
+	ExitUsage       = 2 // bad flags, arguments or configuration
+	ExitUnreachable = 3 // the database cannot be reached or refused the login
+	ExitLocked      = 4 // another instance holds the lock (only with --fail-if-locked)
+	ExitUnhealthy   = 5 // `check` found a problem
+	ExitNotMigrated = 6 // schema idem is missing or out of date: run `idemctl migrate up`
+)
+
+// exitError carries an exit code with the one-line message for the user.
+type exitError struct {
+	code int
+	err  error
+}
+
+func (e *exitError) Error() string { return e.err.Error() }
+func (e *exitError) Unwrap() error { return e.err }
+
+func usageErr(format string, args ...any) error {
+	return &exitError{ExitUsage, fmt.Errorf(format, args...)}
+}
+
+func withCode(code int, err error) error {
+	if err == nil {
+		return nil
+	}
+	return &exitError{code, err}
+}
+
+// Env is how the CLI reads the environment (os.Getenv in main, a map in tests).
+type Env func(string) string
+
+// IO is where a command writes: Out for its results, Err for logs and errors.
+type IO struct {
+	Out, Err io.Writer
+	Env      Env
+}
+
+// globals are the flags every command accepts.
+type globals struct {
+	databaseURL      string
+	logFormat        string
+	lockTimeout      time.Duration
+	statementTimeout time.Duration
+}
+
+func (g *globals) register(fs *flag.FlagSet) {
+	fs.StringVar(&g.databaseURL, "database-url", "", "PostgreSQL connection string (default: $DATABASE_URL, then the libpq PG* variables)")
+	fs.StringVar(&g.logFormat, "log-format", "text", "log format on stderr: text or json")
+	fs.DurationVar(&g.lockTimeout, "lock-timeout", 2*time.Second, "lock_timeout for DDL and deletes: how long a statement may wait for a table lock")
+	fs.DurationVar(&g.statementTimeout, "statement-timeout", 5*time.Minute, "statement_timeout for each statement (0: none)")
+}
+
+func (g *globals) logger(w io.Writer) (*slog.Logger, error) {
+	switch g.logFormat {
+	case "text":
+		return slog.New(slog.NewTextHandler(w, nil)), nil
+	case "json":
+		return slog.New(slog.NewJSONHandler(w, nil)), nil
+	}
+	return nil, usageErr("--log-format must be text or json, not %q", g.logFormat)
+}
+
+// command is one idemctl subcommand.
+type command struct {
+	name    string
+	summary string
+	run     func(ctx context.Context, io IO, g *globals, args []string) error
+}
+
+var commands = map[string]command{}
+
+func register(c command) { commands[c.name] = c }
+
+// Main runs idemctl with args (without the program name) and returns the
+// process exit code.
+func Main(ctx context.Context, args []string, out, errw io.Writer, env Env) int {
+	io := IO{Out: out, Err: errw, Env: env}
+	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
+		printUsage(out)
+		if len(args) == 0 {
+			return ExitUsage
+		}
+		return ExitOK
+	}
+	cmd, ok := commands[args[0]]
+	if !ok {
+		fmt.Fprintf(errw, "idemctl: unknown command %q (run idemctl help)\n", args[0])
+		return ExitUsage
+	}
+	var g globals
+	err := cmd.run(ctx, io, &g, args[1:])
+	return report(errw, args[0], err)
+}
+
+func report(w io.Writer, name string, err error) int {
+	if err == nil {
+		return ExitOK
+	}
+	if errors.Is(err, flag.ErrHelp) {
+		return ExitOK
+	}
+	code := ExitError
+	var ee *exitError
+	if errors.As(err, &ee) {
+		code = ee.code
+	}
+	msg := strings.ReplaceAll(err.Error(), "\n", " ")
+	fmt.Fprintf(w, "idemctl %s: %s\n", name, msg)
+	return code
+}
+
+// newFlagSet returns a flag set for a command that also takes the globals.
+func newFlagSet(name string, io IO, g *globals) *flag.FlagSet {
+	fs := flag.NewFlagSet("idemctl "+name, flag.ContinueOnError)
+	fs.SetOutput(io.Err)
+	g.register(fs)
+	return fs
+}
+
+// parse parses args and turns flag errors into usage errors.
+func parse(fs *flag.FlagSet, args []string) error {
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return err
+		}
+		return usageErr("%v", err)
+	}
+	return nil
+}
+
+func printUsage(w io.Writer) {
+	fmt.Fprintln(w, "idemctl: operate idem, the Postgres-native idempotency kit")
+	fmt.Fprintln(w, "\nUsage: idemctl <command> [flags]\n\nCommands:")
+	names := make([]string, 0, len(commands))
+	for n := range commands {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	for _, n := range names {
+		fmt.Fprintf(w, "  %-11s %s\n", n, commands[n].summary)
+	}
+	fmt.Fprintln(w, "\nEvery command takes --database-url (default $DATABASE_URL, then PG* variables),")
+	fmt.Fprintln(w, "--log-format text|json, --lock-timeout and --statement-timeout.")
+	fmt.Fprintln(w, "Exit codes: 0 ok, 1 error, 2 usage, 3 database unreachable, 4 locked, 5 unhealthy, 6 not migrated.")
+}

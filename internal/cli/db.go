@@ -1,0 +1,150 @@
+package cli
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"net"
+	"net/url"
+	"regexp"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+)
+
+// resolveURL picks the connection string: --database-url, then
+// DATABASE_URL, then "" (pgx reads the libpq PG* variables itself).
+func (g *globals) resolveURL(env Env) string {
+	if g.databaseURL != "" {
+		return g.databaseURL
+	}
+	return env("DATABASE_URL")
+}
+
+// poolConfig parses the connection string and applies the timeouts.
+func (g *globals) poolConfig(env Env) (*pgxpool.Config, error) {
+	raw := g.resolveURL(env)
+	cfg, err := pgxpool.ParseConfig(raw)
+	if err != nil {
+		return nil, usageErr("invalid database URL (from %s): %s", g.urlSource(env), redact(err.Error()))
+	}
+	if g.lockTimeout < 0 || g.statementTimeout < 0 {
+		return nil, usageErr("--lock-timeout and --statement-timeout must not be negative")
+	}
+	rp := cfg.ConnConfig.RuntimeParams
+	rp["application_name"] = "idemctl"
+	rp["lock_timeout"] = fmt.Sprint(g.lockTimeout.Milliseconds())
+	rp["statement_timeout"] = fmt.Sprint(g.statementTimeout.Milliseconds())
+	if cfg.ConnConfig.ConnectTimeout == 0 {
+		cfg.ConnConfig.ConnectTimeout = 10 * time.Second
+	}
+	return cfg, nil
+}
+
+func (g *globals) urlSource(env Env) string {
+	switch {
+	case g.databaseURL != "":
+		return "--database-url"
+	case env("DATABASE_URL") != "":
+		return "DATABASE_URL"
+	}
+	return "PG* environment variables"
+}
+
+// connect opens a pool and proves the database answers, mapping failures
+// to exit codes with a one-line reason.
+func (g *globals) connect(ctx context.Context, env Env, maxConns int32) (*pgxpool.Pool, error) {
+	cfg, err := g.poolConfig(env)
+	if err != nil {
+		return nil, err
+	}
+	if maxConns > 0 {
+		cfg.MaxConns = maxConns
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, usageErr("%s", redact(err.Error()))
+	}
+	pctx, cancel := context.WithTimeout(ctx, cfg.ConnConfig.ConnectTimeout+time.Second)
+	defer cancel()
+	if err := pool.Ping(pctx); err != nil {
+		pool.Close()
+		return nil, connectErr(cfg.ConnConfig, err)
+	}
+	return pool, nil
+}
+
+// connectErr explains why a connection failed.
+func connectErr(cc *pgx.ConnConfig, err error) error {
+	where := net.JoinHostPort(cc.Host, fmt.Sprint(cc.Port))
+	if strings.HasPrefix(cc.Host, "/") {
+		where = fmt.Sprintf("socket %s/.s.PGSQL.%d", cc.Host, cc.Port)
+	}
+	var pg *pgconn.PgError
+	if errors.As(err, &pg) {
+		switch pg.Code {
+		case "28P01", "28000":
+			return withCode(ExitUnreachable, fmt.Errorf("the database at %s refused login for user %q: %s (check the user and password in the database URL)", where, cc.User, pg.Message))
+		case "3D000":
+			return withCode(ExitUnreachable, fmt.Errorf("database %q does not exist at %s", cc.Database, where))
+		case "42501":
+			return withCode(ExitUnreachable, fmt.Errorf("user %q may not connect to database %q at %s: %s", cc.User, cc.Database, where, pg.Message))
+		}
+	}
+	return withCode(ExitUnreachable, fmt.Errorf("cannot reach the database at %s: %s (check --database-url or DATABASE_URL, and that the server is up)",
+		where, redact(rootCause(err))))
+}
+
+func rootCause(err error) string {
+	for {
+		u := errors.Unwrap(err)
+		if u == nil {
+			return err.Error()
+		}
+		err = u
+	}
+}
+
+// requireMigrated fails with ExitNotMigrated unless idem's schema is there.
+func requireMigrated(ctx context.Context, pool *pgxpool.Pool) error {
+	var ok bool
+	err := pool.QueryRow(ctx, `SELECT to_regclass('idem.processed_events') IS NOT NULL
+	                              AND to_regprocedure('idem.claim(text,text,text,interval,interval,text)') IS NOT NULL`).Scan(&ok)
+	if err != nil {
+		return withCode(ExitError, fmt.Errorf("check for schema idem: %w", err))
+	}
+	if !ok {
+		return withCode(ExitNotMigrated, errors.New("schema idem is not installed in this database: run `idemctl migrate up` first"))
+	}
+	return nil
+}
+
+// sqlDB opens a database/sql handle on the same configuration (goose needs one).
+func sqlDB(pool *pgxpool.Pool) *sql.DB {
+	return stdlib.OpenDBFromPool(pool)
+}
+
+var passwordRE = regexp.MustCompile(`(?i)(password\s*=\s*)('[^']*'|\S+)`)
+
+// redact removes passwords from text that may quote a connection string.
+func redact(s string) string {
+	s = passwordRE.ReplaceAllString(s, "${1}xxxxx")
+	// URL form: scheme://user:password@host
+	for _, f := range strings.Fields(s) {
+		f = strings.Trim(f, "\"'`,;()")
+		if i := strings.Index(f, "://"); i > 0 {
+			if u, err := url.Parse(f); err == nil && u.User != nil {
+				if _, has := u.User.Password(); has {
+					u.User = url.UserPassword(u.User.Username(), "xxxxx")
+					s = strings.ReplaceAll(s, f, u.String())
+				}
+			}
+		}
+	}
+	return s
+}

@@ -1,0 +1,80 @@
+package cli
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/idem/internal/demo"
+	"github.com/idemkit/idem/internal/pgcluster"
+	"github.com/idemkit/idem/migrate"
+)
+
+func init() {
+	register(command{name: "demo", summary: "the quick start: a webhook storm against a throwaway (or given) Postgres, with checks", run: runDemo})
+}
+
+func runDemo(ctx context.Context, io IO, g *globals, args []string) error {
+	fs := newFlagSet("demo", io, g)
+	var cfg demo.Config
+	fs.IntVar(&cfg.Events, "events", 300, "distinct webhook events")
+	fs.IntVar(&cfg.Deliveries, "deliveries", 4, "concurrent deliveries of each event")
+	fs.IntVar(&cfg.Workers, "workers", 16, "concurrent handlers")
+	keep := fs.Bool("keep", false, "keep the demo's tables (schema idem_demo) afterwards")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if cfg.Events < 1 || cfg.Deliveries < 1 || cfg.Workers < 1 {
+		return usageErr("--events, --deliveries and --workers must be at least 1")
+	}
+	log, err := g.logger(io.Err)
+	if err != nil {
+		return err
+	}
+	if g.resolveURL(io.Env) == "" {
+		fmt.Fprintln(io.Out, "no --database-url or DATABASE_URL: starting a throwaway PostgreSQL...")
+		c, err := pgcluster.Start(ctx)
+		if err != nil {
+			return withCode(ExitUnreachable, fmt.Errorf("cannot start a throwaway PostgreSQL: %w; %s, or pass --database-url", err, pgcluster.InstallHint))
+		}
+		defer func() {
+			c.Stop()
+			fmt.Fprintln(io.Out, "throwaway PostgreSQL stopped and removed")
+		}()
+		g.databaseURL = c.URL("postgres")
+		fmt.Fprintf(io.Out, "PostgreSQL is up (port %d, data in %s)\n", c.Port, c.Dir)
+	}
+	pool, err := g.connect(ctx, io.Env, int32(cfg.Workers)+4)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	db := sqlDB(pool)
+	defer db.Close()
+	res, err := migrate.Up(ctx, db)
+	if err != nil {
+		return fmt.Errorf("migrate up: %w", err)
+	}
+	fmt.Fprintf(io.Out, "migrations applied: %d new\n", len(res))
+
+	rep, err := demo.Run(ctx, pool, cfg)
+	if rep != nil {
+		rep.Print(io.Out)
+	}
+	if !*keep {
+		if _, derr := pool.Exec(context.WithoutCancel(ctx), "DROP SCHEMA IF EXISTS "+pgx.Identifier{"idem_demo"}.Sanitize()+" CASCADE"); derr != nil {
+			log.LogAttrs(ctx, slog.LevelWarn, "could not drop the demo schema", slog.Any("error", derr))
+		}
+	}
+	if err != nil {
+		return err
+	}
+	if !rep.OK() {
+		return errors.New("some checks failed")
+	}
+	fmt.Fprintln(io.Out, "\nall checks passed")
+	return nil
+}

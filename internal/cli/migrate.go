@@ -1,0 +1,102 @@
+package cli
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+
+	"github.com/pressly/goose/v3"
+
+	"github.com/idemkit/idem/migrate"
+)
+
+func init() {
+	register(command{name: "migrate", summary: "apply idem's migrations: up | down [--to N] | status | version", run: runMigrate})
+}
+
+func runMigrate(ctx context.Context, io IO, g *globals, args []string) error {
+	fs := newFlagSet("migrate", io, g)
+	to := fs.Int64("to", -1, "with down: migrate down to this version (0 removes everything but the schema)")
+	if len(args) == 0 {
+		return usageErr("migrate needs a subcommand: up, down, status or version")
+	}
+	sub := args[0]
+	if err := parse(fs, args[1:]); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return usageErr("migrate %s takes no arguments, got %q", sub, fs.Args())
+	}
+	switch sub {
+	case "up", "down", "status", "version":
+	default:
+		return usageErr("unknown migrate subcommand %q: want up, down, status or version", sub)
+	}
+	log, err := g.logger(io.Err)
+	if err != nil {
+		return err
+	}
+	pool, err := g.connect(ctx, io.Env, 2)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	db := sqlDB(pool)
+	defer db.Close()
+	p, err := migrate.NewProvider(db, goose.WithSlog(log.With(slog.String("component", "goose"))))
+	if err != nil {
+		return err
+	}
+	switch sub {
+	case "up":
+		res, err := p.Up(ctx)
+		for _, r := range res {
+			fmt.Fprintf(io.Out, "applied %s (%s)\n", r.Source.Path, r.Duration.Round(1e6))
+		}
+		if err != nil {
+			return err
+		}
+		if len(res) == 0 {
+			fmt.Fprintln(io.Out, "idem schema is up to date")
+		}
+	case "down":
+		var res []*goose.MigrationResult
+		if *to >= 0 {
+			res, err = p.DownTo(ctx, *to)
+		} else {
+			var r *goose.MigrationResult
+			r, err = p.Down(ctx)
+			if r != nil {
+				res = append(res, r)
+			}
+		}
+		for _, r := range res {
+			fmt.Fprintf(io.Out, "rolled back %s\n", r.Source.Path)
+		}
+		if errors.Is(err, goose.ErrNoNextVersion) {
+			fmt.Fprintln(io.Out, "nothing to roll back")
+			return nil
+		}
+		return err
+	case "status":
+		st, err := p.Status(ctx)
+		if err != nil {
+			return err
+		}
+		for _, s := range st {
+			when := "pending"
+			if s.State == goose.StateApplied {
+				when = "applied " + s.AppliedAt.UTC().Format("2006-01-02 15:04:05Z")
+			}
+			fmt.Fprintf(io.Out, "%-40s %s\n", s.Source.Path, when)
+		}
+	case "version":
+		v, err := p.GetDBVersion(ctx)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintln(io.Out, v)
+	}
+	return nil
+}
