@@ -43,6 +43,10 @@ CREATE TABLE idem.policies (
     ttl          interval NOT NULL CONSTRAINT policies_ttl_check CHECK (idem.valid_ttl(ttl)),
     lease        interval NOT NULL CONSTRAINT policies_lease_check CHECK (idem.valid_lease(lease)),
     max_attempts integer CONSTRAINT policies_max_attempts_check CHECK (max_attempts IS NULL OR max_attempts >= 1),
+    -- Count duplicate deliveries per key (processed_events.duplicates): one
+    -- HOT update per duplicate, skipped when the row is locked and in
+    -- SERIALIZABLE transactions, so the count is a lower bound.
+    count_duplicates boolean NOT NULL DEFAULT true,
     description  text,
     updated_at   timestamptz NOT NULL DEFAULT now(),
     CONSTRAINT policies_lease_within_ttl CHECK (lease <= ttl)
@@ -84,6 +88,8 @@ CREATE TABLE idem.processed_events (
     updated_at       timestamptz NOT NULL,
     completed_at     timestamptz,
     expires_at       timestamptz NOT NULL,
+    duplicates       integer     NOT NULL DEFAULT 0,
+    last_seen_at     timestamptz,
     PRIMARY KEY (source, key, first_seen_month)
 ) PARTITION BY RANGE (first_seen_month);
 -- +goose StatementEnd
@@ -222,7 +228,9 @@ DECLARE
     v_ttl    interval;
     v_lease  interval;
     v_max    integer;
+    v_count  boolean;
     v_token  bigint;
+    v_answer text;
     r        idem.processed_events%ROWTYPE;
     v_found  boolean;
 BEGIN
@@ -251,7 +259,7 @@ BEGIN
             HINT = 'lease must be between 1 second and 7 days.';
     END IF;
 
-    SELECT p.ttl, p.lease, p.max_attempts INTO v_ttl, v_lease, v_max
+    SELECT p.ttl, p.lease, p.max_attempts, p.count_duplicates INTO v_ttl, v_lease, v_max, v_count
       FROM idem.policies p
      WHERE p.source = claim.source OR p.source = '*'
      ORDER BY p.source = '*'
@@ -261,6 +269,7 @@ BEGIN
             MESSAGE = format('idem.claim: no policy for source %L and no default policy', claim.source),
             HINT = 'Insert a row for the source, or the default row with source ''*'', into idem.policies.';
     END IF;
+    v_count := v_count AND current_setting('transaction_isolation') <> 'serializable';
     v_ttl := coalesce(claim.ttl, v_ttl);
     v_lease := coalesce(claim.lease, v_lease);
     IF v_lease > v_ttl THEN
@@ -288,22 +297,30 @@ BEGIN
         END IF;
 
         IF v_found AND r.expires_at > v_now THEN
-            IF claim.fingerprint IS NOT NULL AND r.fingerprint IS NOT NULL
-               AND r.fingerprint <> claim.fingerprint THEN
-                RETURN QUERY SELECT 'mismatch'::text, NULL::bigint, r.attempts, r.lease_expires_at,
-                                    NULL::jsonb, NULL::text, r.first_seen, r.expires_at;
-                RETURN;
-            ELSIF r.status = 'completed' THEN
-                RETURN QUERY SELECT 'completed'::text, NULL::bigint, r.attempts, NULL::timestamptz,
-                                    r.result, NULL::text, r.first_seen, r.expires_at;
-                RETURN;
-            ELSIF r.status = 'failed' AND NOT r.retryable THEN
-                RETURN QUERY SELECT 'failed'::text, NULL::bigint, r.attempts, NULL::timestamptz,
-                                    NULL::jsonb, r.last_error, r.first_seen, r.expires_at;
-                RETURN;
-            ELSIF r.status = 'processing' AND r.lease_expires_at > v_now THEN
-                RETURN QUERY SELECT 'in_progress'::text, NULL::bigint, r.attempts, r.lease_expires_at,
-                                    NULL::jsonb, NULL::text, r.first_seen, r.expires_at;
+            v_answer := CASE
+                WHEN claim.fingerprint IS NOT NULL AND r.fingerprint IS NOT NULL
+                     AND r.fingerprint <> claim.fingerprint THEN 'mismatch'
+                WHEN r.status = 'completed' THEN 'completed'
+                WHEN r.status = 'failed' AND NOT r.retryable THEN 'failed'
+                WHEN r.status = 'processing' AND r.lease_expires_at > v_now THEN 'in_progress'
+            END;
+            IF v_answer IS NOT NULL THEN
+                IF v_count THEN
+                    -- Count the duplicate without ever waiting for the row.
+                    UPDATE idem.processed_events e
+                       SET duplicates = e.duplicates + 1, last_seen_at = v_now
+                      FROM (SELECT l.first_seen_month FROM idem.processed_events l
+                             WHERE l.source = r.source AND l.key = r.key
+                               AND l.first_seen_month = r.first_seen_month
+                               FOR UPDATE SKIP LOCKED) l
+                     WHERE e.source = r.source AND e.key = r.key
+                       AND e.first_seen_month = l.first_seen_month;
+                END IF;
+                RETURN QUERY SELECT v_answer, NULL::bigint, r.attempts,
+                       CASE WHEN v_answer IN ('in_progress', 'mismatch') THEN r.lease_expires_at END,
+                       CASE WHEN v_answer = 'completed' THEN r.result END,
+                       CASE WHEN v_answer = 'failed' THEN r.last_error END,
+                       r.first_seen, r.expires_at;
                 RETURN;
             END IF;
             -- A lost lease or a retryable failure: re-acquire (pass 2 only).
