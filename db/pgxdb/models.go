@@ -8,13 +8,21 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
+type IdemMaintenanceLock struct {
+	Name       string
+	Holder     string
+	AcquiredAt pgtype.Timestamptz
+	ExpiresAt  pgtype.Timestamptz
+}
+
 type IdemPolicy struct {
-	Source      string
-	Ttl         pgtype.Interval
-	Lease       pgtype.Interval
-	MaxAttempts *int32
-	Description *string
-	UpdatedAt   pgtype.Timestamptz
+	Source          string
+	Ttl             pgtype.Interval
+	Lease           pgtype.Interval
+	MaxAttempts     *int32
+	CountDuplicates bool
+	Description     *string
+	UpdatedAt       pgtype.Timestamptz
 }
 
 type IdemProcessedEvent struct {
@@ -34,6 +42,8 @@ type IdemProcessedEvent struct {
 	UpdatedAt      pgtype.Timestamptz
 	CompletedAt    pgtype.Timestamptz
 	ExpiresAt      pgtype.Timestamptz
+	Duplicates     int32
+	LastSeenAt     pgtype.Timestamptz
 }
 
 type IdemProcessedEventsDefault struct {
@@ -53,4 +63,6 @@ type IdemProcessedEventsDefault struct {
 	UpdatedAt      pgtype.Timestamptz
 	CompletedAt    pgtype.Timestamptz
 	ExpiresAt      pgtype.Timestamptz
+	Duplicates     int32
+	LastSeenAt     pgtype.Timestamptz
 }

@@ -11,13 +11,21 @@ import (
 	"github.com/sqlc-dev/pqtype"
 )
 
+type IdemMaintenanceLock struct {
+	Name       string
+	Holder     string
+	AcquiredAt sql.NullTime
+	ExpiresAt  sql.NullTime
+}
+
 type IdemPolicy struct {
-	Source      string
-	Ttl         int64
-	Lease       int64
-	MaxAttempts sql.NullInt32
-	Description sql.NullString
-	UpdatedAt   sql.NullTime
+	Source          string
+	Ttl             int64
+	Lease           int64
+	MaxAttempts     sql.NullInt32
+	CountDuplicates bool
+	Description     sql.NullString
+	UpdatedAt       sql.NullTime
 }
 
 type IdemProcessedEvent struct {
@@ -37,6 +45,8 @@ type IdemProcessedEvent struct {
 	UpdatedAt      sql.NullTime
 	CompletedAt    sql.NullTime
 	ExpiresAt      sql.NullTime
+	Duplicates     int32
+	LastSeenAt     sql.NullTime
 }
 
 type IdemProcessedEventsDefault struct {
@@ -56,4 +66,6 @@ type IdemProcessedEventsDefault struct {
 	UpdatedAt      sql.NullTime
 	CompletedAt    sql.NullTime
 	ExpiresAt      sql.NullTime
+	Duplicates     int32
+	LastSeenAt     sql.NullTime
 }

@@ -1,0 +1,163 @@
+package cli
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"text/tabwriter"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem/internal/partition"
+)
+
+func init() {
+	register(command{name: "partitions", summary: "monthly partitions: rotate (premake, retire, recover default rows) | list", run: runPartitions})
+}
+
+type rotateFlags struct {
+	cfg          partition.Config
+	failIfLocked bool
+}
+
+func (r *rotateFlags) register(fs *flag.FlagSet) {
+	fs.IntVar(&r.cfg.Premake, "premake", 3, "months after the current one that must have a partition")
+	fs.BoolVar(&r.cfg.KeepDetached, "keep-detached", false, "retire months by DETACH (keep the table) instead of DROP")
+	fs.IntVar(&r.cfg.Retries, "retries", 4, "retries of a step that timed out on a lock (doubling backoff)")
+	fs.DurationVar(&r.cfg.Backoff, "backoff", 500*time.Millisecond, "first pause before a retry")
+	fs.BoolVar(&r.failIfLocked, "fail-if-locked", false, "exit 4 instead of 0 when another instance holds the lock")
+}
+
+func runPartitions(ctx context.Context, io IO, g *globals, args []string) error {
+	if len(args) == 0 {
+		return usageErr("partitions needs a subcommand: rotate or list")
+	}
+	sub := args[0]
+	fs := newFlagSet("partitions "+sub, io, g)
+	var r rotateFlags
+	asJSON := false
+	switch sub {
+	case "rotate":
+		r.register(fs)
+	case "list":
+		fs.BoolVar(&asJSON, "json", false, "print JSON")
+	default:
+		return usageErr("unknown partitions subcommand %q: want rotate or list", sub)
+	}
+	if err := parse(fs, args[1:]); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return usageErr("partitions %s takes no arguments, got %q", sub, fs.Args())
+	}
+	if sub == "rotate" && (r.cfg.Premake < 0 || r.cfg.Premake > 120 || r.cfg.Retries < 0 || r.cfg.Backoff < 0) {
+		return usageErr("--premake must be 0 to 120, --retries and --backoff not negative")
+	}
+	log, err := g.logger(io.Err)
+	if err != nil {
+		return err
+	}
+	pool, err := g.connect(ctx, io.Env, 2)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if err := requireMigrated(ctx, pool); err != nil {
+		return err
+	}
+	if sub == "list" {
+		return listPartitions(ctx, io, pool, asJSON)
+	}
+	r.cfg.Logger = log
+	r.cfg.LockTimeout = g.lockTimeout
+	res, err := partition.Rotate(ctx, pool, r.cfg)
+	if res != nil {
+		reportRotate(io, res)
+	}
+	if err != nil && !errors.Is(err, partition.ErrIncomplete) {
+		return err
+	}
+	if res.Skipped && r.failIfLocked {
+		return withCode(ExitLocked, errors.New("another rotation holds the lock"))
+	}
+	return err
+}
+
+func reportRotate(io IO, res *partition.Result) {
+	if res.Skipped {
+		fmt.Fprintf(io.Out, "skipped: another rotation (%s) holds the lock until %s\n",
+			res.Holder.Holder, res.Holder.ExpiresAt.UTC().Format(time.RFC3339))
+		return
+	}
+	if len(res.Steps) == 0 {
+		fmt.Fprintln(io.Out, "partitions are up to date")
+	}
+	for _, s := range res.Steps {
+		fmt.Fprintf(io.Out, "%-7s %-40s %s\n", s.Action, s.Target, s.Result)
+	}
+}
+
+type partitionJSON struct {
+	Name       string  `json:"name"`
+	Default    bool    `json:"default"`
+	From       *string `json:"from,omitempty"`
+	To         *string `json:"to,omitempty"`
+	EstRows    int64   `json:"estimated_rows"`
+	TotalBytes int64   `json:"total_bytes"`
+}
+
+func listPartitions(ctx context.Context, io IO, pool *pgxpool.Pool, asJSON bool) error {
+	parts, err := partition.List(ctx, pool)
+	if err != nil {
+		return err
+	}
+	out := partitionRows(parts)
+	if asJSON {
+		enc := json.NewEncoder(io.Out)
+		enc.SetIndent("", "  ")
+		return enc.Encode(out)
+	}
+	tw := tabwriter.NewWriter(io.Out, 0, 0, 2, ' ', 0)
+	printPartitions(tw, out)
+	return tw.Flush()
+}
+
+func partitionRows(parts []partition.Partition) []partitionJSON {
+	out := make([]partitionJSON, 0, len(parts))
+	for _, p := range parts {
+		j := partitionJSON{Name: p.Name, Default: p.IsDefault, EstRows: p.EstRows, TotalBytes: p.TotalBytes}
+		if p.MonthFrom.Valid {
+			f, t := p.MonthFrom.Time.Format("2006-01-02"), p.MonthTo.Time.Format("2006-01-02")
+			j.From, j.To = &f, &t
+		}
+		out = append(out, j)
+	}
+	return out
+}
+
+func printPartitions(tw *tabwriter.Writer, rows []partitionJSON) {
+	fmt.Fprintln(tw, "PARTITION\tFROM\tTO\tEST. ROWS\tSIZE")
+	for _, p := range rows {
+		from, to := "(default)", ""
+		if p.From != nil {
+			from, to = *p.From, *p.To
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\n", p.Name, from, to, p.EstRows, bytesHuman(p.TotalBytes))
+	}
+}
+
+func bytesHuman(b int64) string {
+	const unit = 1024
+	if b < unit {
+		return fmt.Sprintf("%d B", b)
+	}
+	div, exp := int64(unit), 0
+	for n := b / unit; n >= unit; n /= unit {
+		div *= unit
+		exp++
+	}
+	return fmt.Sprintf("%.1f %ciB", float64(b)/float64(div), "KMGTPE"[exp])
+}

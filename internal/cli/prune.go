@@ -1,0 +1,106 @@
+package cli
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"time"
+
+	"github.com/idemkit/idem/internal/prune"
+)
+
+func init() {
+	register(command{name: "prune", summary: "delete expired keys in batches (one instance at a time)", run: runPrune})
+}
+
+type pruneFlags struct {
+	cfg          prune.Config
+	failIfLocked bool
+}
+
+func (p *pruneFlags) register(fs *flag.FlagSet) {
+	fs.IntVar(&p.cfg.BatchSize, "batch-size", 5000, "rows deleted per batch (1 to 1000000)")
+	fs.DurationVar(&p.cfg.Sleep, "sleep", 100*time.Millisecond, "pause between batches, jittered +-50%")
+	fs.DurationVar(&p.cfg.MaxDuration, "max-duration", 0, "stop after this long (0: until nothing is left)")
+	fs.DurationVar(&p.cfg.LockTTL, "lock-ttl", 30*time.Second, "lease of the prune lock; a killed prune blocks the next for at most this long")
+	fs.BoolVar(&p.failIfLocked, "fail-if-locked", false, "exit 4 instead of 0 when another instance holds the lock")
+}
+
+func runPrune(ctx context.Context, io IO, g *globals, args []string) error {
+	fs := newFlagSet("prune", io, g)
+	var p pruneFlags
+	p.register(fs)
+	fs.BoolVar(&p.cfg.DryRun, "dry-run", false, "report how many rows would be deleted; delete nothing")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return usageErr("prune takes no arguments, got %q", fs.Args())
+	}
+	if p.cfg.BatchSize < 1 || p.cfg.BatchSize > 1_000_000 {
+		return usageErr("--batch-size must be between 1 and 1000000, got %d", p.cfg.BatchSize)
+	}
+	if p.cfg.Sleep < 0 || p.cfg.MaxDuration < 0 || p.cfg.LockTTL <= 0 {
+		return usageErr("--sleep and --max-duration must not be negative, --lock-ttl must be positive")
+	}
+	log, err := g.logger(io.Err)
+	if err != nil {
+		return err
+	}
+	pool, err := g.connect(ctx, io.Env, 2)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if err := requireMigrated(ctx, pool); err != nil {
+		return err
+	}
+	p.cfg.Logger = log
+	if isTerminal(io.Out) {
+		p.cfg.Progress = func(pr prune.Progress) {
+			fmt.Fprintf(io.Out, "\rdeleted %d rows in %d batches (%.0f rows/s)   ", pr.Deleted, pr.Batches, pr.Rate())
+		}
+	}
+	res, err := prune.Run(ctx, pool, p.cfg)
+	if p.cfg.Progress != nil && res != nil && res.Batches > 0 {
+		fmt.Fprintln(io.Out)
+	}
+	if err != nil {
+		if errors.Is(err, prune.ErrLockLost) {
+			return withCode(ExitLocked, err)
+		}
+		return err
+	}
+	return reportPrune(io, res, p.failIfLocked)
+}
+
+func reportPrune(io IO, res *prune.Result, failIfLocked bool) error {
+	switch {
+	case res.Skipped:
+		msg := fmt.Sprintf("skipped: another prune (%s) holds the lock until %s",
+			res.Holder.Holder, res.Holder.ExpiresAt.UTC().Format(time.RFC3339))
+		if failIfLocked {
+			return withCode(ExitLocked, errors.New(msg))
+		}
+		fmt.Fprintln(io.Out, msg)
+	case res.DryRun:
+		fmt.Fprintf(io.Out, "dry run: would delete %d expired rows\n", res.WouldDelete)
+	default:
+		fmt.Fprintf(io.Out, "deleted %d expired rows in %d batches in %s (%.0f rows/s); stopped: %s\n",
+			res.Deleted, res.Batches, res.Elapsed.Round(time.Millisecond), res.Rate(), res.Stopped)
+	}
+	return nil
+}
+
+// isTerminal reports whether w is a character device (a progress line
+// with \r is welcome there and noise in a log file).
+func isTerminal(w any) bool {
+	f, ok := w.(*os.File)
+	if !ok {
+		return false
+	}
+	st, err := f.Stat()
+	return err == nil && st.Mode()&os.ModeCharDevice != 0
+}

@@ -1,0 +1,256 @@
+package cli
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/robfig/cron/v3"
+
+	"github.com/idemkit/idem/db/pgxdb"
+	"github.com/idemkit/idem/internal/partition"
+	"github.com/idemkit/idem/internal/prune"
+)
+
+func init() {
+	register(command{name: "run", summary: "daemon: prune and rotate on cron schedules, /healthz and /metrics", run: runDaemon})
+}
+
+// cronParser accepts standard 5-field specs, an optional seconds field,
+// descriptors (@every 5m, @daily) and a CRON_TZ=Zone/Name prefix.
+var cronParser = cron.NewParser(cron.SecondOptional | cron.Minute | cron.Hour | cron.Dom | cron.Month | cron.Dow | cron.Descriptor)
+
+// parseSpec parses a cron spec; a bad spec is an error, never a panic.
+func parseSpec(flagName, spec string) (s cron.Schedule, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			s, err = nil, usageErr("%s %q is not a valid cron spec: %v", flagName, spec, p)
+		}
+	}()
+	s, err = cronParser.Parse(spec)
+	if err != nil {
+		return nil, usageErr("%s %q is not a valid cron spec: %v (examples: \"@every 5m\", \"@daily\", \"CRON_TZ=Europe/Paris 0 3 * * *\")", flagName, spec, err)
+	}
+	return s, nil
+}
+
+// testHook, when set by tests, sees the scheduler before it starts.
+var testHook func(c *cron.Cron, m *metrics)
+
+func runDaemon(ctx context.Context, io IO, g *globals, args []string) error {
+	fs := newFlagSet("run", io, g)
+	pruneSpec := fs.String("prune-schedule", "@every 5m", "when to prune (cron spec; CRON_TZ= prefix for a time zone)")
+	rotateSpec := fs.String("rotate-schedule", "@daily", "when to rotate partitions (cron spec)")
+	listen := fs.String("listen", ":9187", "address for /healthz and /metrics (empty: no HTTP server)")
+	shutdownWait := fs.Duration("shutdown-timeout", 30*time.Second, "on SIGTERM, how long to wait for a running job to stop")
+	var pf pruneFlags
+	pf.register(fs)
+	var rf rotateFlags
+	rf.register(fs)
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return usageErr("run takes no arguments, got %q", fs.Args())
+	}
+	pruneSched, err := parseSpec("--prune-schedule", *pruneSpec)
+	if err != nil {
+		return err
+	}
+	rotateSched, err := parseSpec("--rotate-schedule", *rotateSpec)
+	if err != nil {
+		return err
+	}
+	log, err := g.logger(io.Err)
+	if err != nil {
+		return err
+	}
+	pool, err := g.connect(ctx, io.Env, 4)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if err := requireMigrated(ctx, pool); err != nil {
+		return err
+	}
+
+	m := newMetrics(pool)
+	pf.cfg.Logger = log.With(slog.String("job", "prune"))
+	rf.cfg.Logger = log.With(slog.String("job", "rotate"))
+	rf.cfg.LockTimeout = g.lockTimeout
+	cl := cronLogger{log}
+	c := cron.New(cron.WithParser(cronParser), cron.WithLogger(cl),
+		cron.WithChain(cron.Recover(cl), cron.SkipIfStillRunning(cl)))
+	c.Schedule(pruneSched, m.job(ctx, log, "prune", func(ctx context.Context) (string, error) {
+		res, err := prune.Run(ctx, pool, pf.cfg)
+		if err != nil {
+			return "error", err
+		}
+		m.deleted.Add(float64(res.Deleted))
+		if res.Skipped {
+			return "skipped", nil
+		}
+		log.LogAttrs(ctx, slog.LevelInfo, "prune done", slog.Int64("deleted", res.Deleted),
+			slog.Int("batches", res.Batches), slog.String("stopped", res.Stopped))
+		return "ok", nil
+	}))
+	c.Schedule(rotateSched, m.job(ctx, log, "rotate", func(ctx context.Context) (string, error) {
+		res, err := partition.Rotate(ctx, pool, rf.cfg)
+		if err != nil {
+			return "error", err
+		}
+		if res.Skipped {
+			return "skipped", nil
+		}
+		return "ok", nil
+	}))
+	if testHook != nil {
+		testHook(c, m)
+	}
+
+	var srv *http.Server
+	if *listen != "" {
+		ln, err := net.Listen("tcp", *listen)
+		if err != nil {
+			return usageErr("--listen %s: %v", *listen, err)
+		}
+		srv = &http.Server{Handler: m.handler(pool), ReadHeaderTimeout: 5 * time.Second}
+		go func() { _ = srv.Serve(ln) }()
+		log.LogAttrs(ctx, slog.LevelInfo, "serving /healthz and /metrics", slog.String("addr", ln.Addr().String()))
+	}
+	c.Start()
+	log.LogAttrs(ctx, slog.LevelInfo, "idemctl run started",
+		slog.String("prune_schedule", *pruneSpec), slog.String("rotate_schedule", *rotateSpec))
+
+	<-ctx.Done()
+	log.LogAttrs(context.Background(), slog.LevelInfo, "shutting down: waiting for running jobs")
+	stopped := c.Stop() // running jobs see ctx cancelled: prune stops after its current batch
+	select {
+	case <-stopped.Done():
+	case <-time.After(*shutdownWait):
+		log.LogAttrs(context.Background(), slog.LevelWarn, "a job did not stop in time; exiting anyway (its transaction is rolled back by the server)")
+	}
+	if srv != nil {
+		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(sctx)
+	}
+	log.LogAttrs(context.Background(), slog.LevelInfo, "idemctl run stopped")
+	return nil
+}
+
+// metrics are the daemon's Prometheus metrics, on a registry of its own.
+type metrics struct {
+	reg      *prometheus.Registry
+	runs     *prometheus.CounterVec
+	duration *prometheus.HistogramVec
+	lastOK   *prometheus.GaugeVec
+	deleted  prometheus.Counter
+}
+
+func newMetrics(pool *pgxpool.Pool) *metrics {
+	m := &metrics{
+		reg: prometheus.NewRegistry(),
+		runs: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "idem_job_runs_total",
+			Help: "Runs of the daemon's jobs by result (ok, skipped, error, panic)."}, []string{"job", "result"}),
+		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "idem_job_duration_seconds",
+			Help: "How long each job run took.", Buckets: prometheus.ExponentialBuckets(0.01, 4, 10)}, []string{"job"}),
+		lastOK: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "idem_job_last_success_timestamp_seconds",
+			Help: "Unix time of the last successful run of each job."}, []string{"job"}),
+		deleted: prometheus.NewCounter(prometheus.CounterOpts{Name: "idem_prune_rows_deleted_total",
+			Help: "Expired rows deleted by prune."}),
+	}
+	m.reg.MustRegister(m.runs, m.duration, m.lastOK, m.deleted, &dbCollector{pool: pool},
+		prometheus.NewGoCollector(), prometheus.NewProcessCollector(prometheus.ProcessCollectorOpts{}))
+	return m
+}
+
+// job wraps a job body with metrics. A panic is counted, then re-raised for
+// cron.Recover to log, so the daemon survives it.
+func (m *metrics) job(ctx context.Context, log *slog.Logger, name string, body func(context.Context) (string, error)) cron.Job {
+	return cron.FuncJob(func() {
+		if ctx.Err() != nil {
+			return
+		}
+		start := time.Now()
+		defer func() {
+			if p := recover(); p != nil {
+				m.runs.WithLabelValues(name, "panic").Inc()
+				panic(p)
+			}
+		}()
+		result, err := body(ctx)
+		m.duration.WithLabelValues(name).Observe(time.Since(start).Seconds())
+		m.runs.WithLabelValues(name, result).Inc()
+		if err != nil {
+			log.LogAttrs(ctx, slog.LevelError, "job failed", slog.String("job", name), slog.Any("error", err))
+			return
+		}
+		m.lastOK.WithLabelValues(name).SetToCurrentTime()
+	})
+}
+
+func (m *metrics) handler(pool *pgxpool.Pool) http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{}))
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) {
+		ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
+		defer cancel()
+		if err := pool.Ping(ctx); err != nil {
+			http.Error(w, "database unreachable: "+redact(err.Error()), http.StatusServiceUnavailable)
+			return
+		}
+		fmt.Fprintln(w, "ok")
+	})
+	return mux
+}
+
+// dbCollector reads partition health at scrape time.
+type dbCollector struct{ pool *pgxpool.Pool }
+
+var (
+	descAhead = prometheus.NewDesc("idem_partitions_ahead",
+		"Consecutive months after the current one that have a partition.", nil, nil)
+	descDefault = prometheus.NewDesc("idem_default_partition_rows",
+		"Rows in the default partition (claims for months without a partition).", nil, nil)
+	descUp = prometheus.NewDesc("idem_database_up", "1 when the last scrape could query the database.", nil, nil)
+)
+
+func (d *dbCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- descAhead
+	ch <- descDefault
+	ch <- descUp
+}
+
+func (d *dbCollector) Collect(ch chan<- prometheus.Metric) {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	// Only the cheap facts: check's expired and stuck counts scan the table.
+	q := pgxdb.New(d.pool)
+	_, ahead, err := monthsAhead(ctx, q)
+	var inDefault int64
+	if err == nil {
+		inDefault, err = q.DefaultPartitionRows(ctx)
+	}
+	if err != nil {
+		ch <- prometheus.MustNewConstMetric(descUp, prometheus.GaugeValue, 0)
+		return
+	}
+	ch <- prometheus.MustNewConstMetric(descUp, prometheus.GaugeValue, 1)
+	ch <- prometheus.MustNewConstMetric(descAhead, prometheus.GaugeValue, float64(ahead))
+	ch <- prometheus.MustNewConstMetric(descDefault, prometheus.GaugeValue, float64(inDefault))
+}
+
+// cronLogger adapts slog to cron.Logger.
+type cronLogger struct{ l *slog.Logger }
+
+func (c cronLogger) Info(msg string, kv ...any) { c.l.Debug("cron: "+msg, kv...) }
+func (c cronLogger) Error(err error, msg string, kv ...any) {
+	c.l.Error("cron: "+msg, append(kv, "error", err)...)
+}

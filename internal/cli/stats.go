@@ -1,0 +1,105 @@
+package cli
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"text/tabwriter"
+	"time"
+
+	"github.com/idemkit/idem/db/pgxdb"
+)
+
+func init() {
+	register(command{name: "stats", summary: "per source: keys by status, duplicate rate, stuck leases; partition sizes", run: runStats})
+}
+
+type sourceStats struct {
+	Source        string     `json:"source"`
+	Keys          int64      `json:"keys"`
+	Processing    int64      `json:"processing"`
+	Completed     int64      `json:"completed"`
+	Failed        int64      `json:"failed"`
+	Duplicates    int64      `json:"duplicates"`
+	DuplicateRate float64    `json:"duplicate_rate"`
+	Retried       int64      `json:"retried"`
+	Stuck         int64      `json:"stuck_past_lease"`
+	Expired       int64      `json:"expired_not_pruned"`
+	Oldest        *time.Time `json:"oldest,omitempty"`
+	Newest        *time.Time `json:"newest,omitempty"`
+}
+
+type statsOut struct {
+	Sources    []sourceStats   `json:"sources"`
+	Partitions []partitionJSON `json:"partitions"`
+}
+
+func runStats(ctx context.Context, io IO, g *globals, args []string) error {
+	fs := newFlagSet("stats", io, g)
+	asJSON := fs.Bool("json", false, "print JSON")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return usageErr("stats takes no arguments, got %q", fs.Args())
+	}
+	if _, err := g.logger(io.Err); err != nil {
+		return err
+	}
+	pool, err := g.connect(ctx, io.Env, 2)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if err := requireMigrated(ctx, pool); err != nil {
+		return err
+	}
+	q := pgxdb.New(pool)
+	rows, err := q.SourceStats(ctx)
+	if err != nil {
+		return err
+	}
+	var out statsOut
+	for _, r := range rows {
+		s := sourceStats{Source: r.Source, Keys: r.Keys, Processing: r.Processing, Completed: r.Completed,
+			Failed: r.Failed, Duplicates: r.Duplicates, Retried: r.Retried, Stuck: r.Stuck, Expired: r.Expired}
+		// Each key is one new delivery; every other delivery was a duplicate.
+		if total := r.Keys + r.Duplicates; total > 0 {
+			s.DuplicateRate = float64(r.Duplicates) / float64(total)
+		}
+		if r.Oldest.Valid {
+			o, n := r.Oldest.Time.UTC(), r.Newest.Time.UTC()
+			s.Oldest, s.Newest = &o, &n
+		}
+		out.Sources = append(out.Sources, s)
+	}
+	parts, err := q.ListPartitions(ctx)
+	if err != nil {
+		return err
+	}
+	out.Partitions = partitionRows(parts)
+	if out.Sources == nil {
+		out.Sources = []sourceStats{}
+	}
+	if *asJSON {
+		enc := json.NewEncoder(io.Out)
+		enc.SetIndent("", "  ")
+		return enc.Encode(out)
+	}
+	tw := tabwriter.NewWriter(io.Out, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "SOURCE\tKEYS\tPROCESSING\tCOMPLETED\tFAILED\tDUPLICATES\tDUP RATE\tRETRIED\tSTUCK\tEXPIRED\tOLDEST\tNEWEST")
+	for _, s := range out.Sources {
+		oldest, newest := "-", "-"
+		if s.Oldest != nil {
+			oldest, newest = s.Oldest.Format(time.DateTime), s.Newest.Format(time.DateTime)
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%.1f%%\t%d\t%d\t%d\t%s\t%s\n", s.Source, s.Keys, s.Processing,
+			s.Completed, s.Failed, s.Duplicates, 100*s.DuplicateRate, s.Retried, s.Stuck, s.Expired, oldest, newest)
+	}
+	if len(out.Sources) == 0 {
+		fmt.Fprintln(tw, "(no keys)")
+	}
+	fmt.Fprintln(tw)
+	printPartitions(tw, out.Partitions)
+	return tw.Flush()
+}

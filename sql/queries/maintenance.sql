@@ -1,0 +1,68 @@
+-- Maintenance: locks, prune, partitions. Used by idemctl (internal/prune,
+-- internal/partition, internal/cli).
+
+-- name: TryLock :one
+SELECT l.acquired::boolean             AS acquired,
+       l.lock_holder::text             AS holder,
+       l.lock_expires_at::timestamptz  AS expires_at
+  FROM idem.try_lock(sqlc.arg(name)::text, sqlc.arg(holder)::text,
+                     sqlc.arg(ttl_ms)::bigint * interval '1 millisecond') AS l;
+
+-- name: ReleaseLock :one
+SELECT idem.release_lock(sqlc.arg(name)::text, sqlc.arg(holder)::text)::boolean AS released;
+
+-- name: PruneBatch :one
+SELECT idem.prune_batch(sqlc.arg(holder)::text, sqlc.arg(batch_size)::integer)::bigint AS deleted;
+
+-- name: PrunableRows :one
+SELECT idem.prunable_rows()::bigint AS rows;
+
+-- name: ListPartitions :many
+SELECT p.partition::text                 AS name,
+       p.is_default::boolean             AS is_default,
+       p.month_from::date                AS month_from,
+       p.month_to::date                  AS month_to,
+       p.est_rows::bigint                AS est_rows,
+       p.total_bytes::bigint             AS total_bytes
+  FROM idem.partitions() AS p;
+
+-- name: MonthsToCreate :many
+SELECT m::date AS month FROM idem.months_to_create(sqlc.arg(premake)::integer) AS m;
+
+-- name: CreatePartition :one
+SELECT idem.create_partition(sqlc.arg(month)::date)::text AS name;
+
+-- name: RetirePartition :one
+SELECT idem.retire_partition(sqlc.arg(name)::text::regclass, sqlc.arg(keep_detached)::boolean)::text AS result;
+
+-- name: DefaultPartitionRows :one
+SELECT count(*)::bigint AS rows FROM idem.processed_events_default;
+
+-- name: CurrentMonth :one
+SELECT date_trunc('month', idem.clock(), 'UTC')::date AS month;
+
+-- name: SourceStats :many
+-- Per source: keys by status, duplicates absorbed, stuck and expired keys.
+-- A full scan: an operator's command, not something to poll every second.
+SELECT e.source::text                                                        AS source,
+       count(*)::bigint                                                      AS keys,
+       (count(*) FILTER (WHERE e.status = 'processing'))::bigint             AS processing,
+       (count(*) FILTER (WHERE e.status = 'completed'))::bigint              AS completed,
+       (count(*) FILTER (WHERE e.status = 'failed'))::bigint                 AS failed,
+       coalesce(sum(e.duplicates), 0)::bigint                                AS duplicates,
+       (count(*) FILTER (WHERE e.attempts > 1))::bigint                      AS retried,
+       (count(*) FILTER (WHERE e.status = 'processing'
+                          AND e.lease_expires_at < idem.clock()))::bigint     AS stuck,
+       (count(*) FILTER (WHERE e.expires_at < idem.clock()))::bigint         AS expired,
+       min(e.first_seen)::timestamptz                                        AS oldest,
+       max(e.first_seen)::timestamptz                                        AS newest
+  FROM idem.processed_events e
+ GROUP BY e.source
+ ORDER BY e.source;
+
+-- name: StuckLeases :one
+-- Keys still processing whose lease ended more than grace ago.
+SELECT count(*)::bigint AS stuck
+  FROM idem.processed_events e
+ WHERE e.status = 'processing'
+   AND e.lease_expires_at < idem.clock() - sqlc.arg(grace_ms)::bigint * interval '1 millisecond';
