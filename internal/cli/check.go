@@ -41,7 +41,7 @@ func runCheck(ctx context.Context, io IO, g *globals, args []string) error {
 	fs.Int64Var(&c.maxStuck, "max-stuck", 0, "unhealthy when more keys are stuck in processing")
 	fs.DurationVar(&c.stuckGrace, "stuck-grace", 10*time.Minute, "a key is stuck when its lease ended this long ago and nobody re-acquired it")
 	asJSON := fs.Bool("json", false, "print JSON")
-	if err := parse(fs, args); err != nil {
+	if err := fs.parse(args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {

@@ -101,14 +101,40 @@ func Main(ctx context.Context, args []string, out, errw io.Writer, env Env) int 
 		}
 		return ExitOK
 	}
+	args, err := hoistGlobals(args)
+	if err != nil {
+		return report(errw, "", err)
+	}
 	cmd, ok := commands[args[0]]
 	if !ok {
 		fmt.Fprintf(errw, "idemctl: unknown command %q (run idemctl help)\n", args[0])
 		return ExitUsage
 	}
 	var g globals
-	err := cmd.run(ctx, io, &g, args[1:])
-	return report(errw, args[0], err)
+	return report(errw, args[0], cmd.run(ctx, io, &g, args[1:]))
+}
+
+// hoistGlobals moves global flags given before the command after it, so
+// that `idemctl --database-url X prune` and `idemctl prune --database-url X`
+// mean the same.
+func hoistGlobals(args []string) ([]string, error) {
+	if len(args) == 0 || !strings.HasPrefix(args[0], "-") {
+		return args, nil
+	}
+	var g globals
+	fs := flag.NewFlagSet("idemctl", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	fs.Usage = func() {}
+	g.register(fs)
+	if err := fs.Parse(args); err != nil {
+		return nil, usageErr("%v (global flags are --database-url, --log-format, --lock-timeout, --statement-timeout)", err)
+	}
+	rest := fs.Args()
+	if len(rest) == 0 {
+		return nil, usageErr("no command given (run idemctl help)")
+	}
+	leading := args[:len(args)-len(rest)]
+	return append(append([]string{rest[0]}, leading...), rest[1:]...), nil
 }
 
 func report(w io.Writer, name string, err error) int {
@@ -124,25 +150,41 @@ func report(w io.Writer, name string, err error) int {
 		code = ee.code
 	}
 	msg := strings.ReplaceAll(err.Error(), "\n", " ")
-	fmt.Fprintf(w, "idemctl %s: %s\n", name, msg)
+	if name == "" {
+		fmt.Fprintf(w, "idemctl: %s\n", msg)
+	} else {
+		fmt.Fprintf(w, "idemctl %s: %s\n", name, msg)
+	}
 	return code
 }
 
-// newFlagSet returns a flag set for a command that also takes the globals.
-func newFlagSet(name string, io IO, g *globals) *flag.FlagSet {
-	fs := flag.NewFlagSet("idemctl "+name, flag.ContinueOnError)
-	fs.SetOutput(io.Err)
-	g.register(fs)
-	return fs
+// flagSet is a command's flags; -h prints them to the command's output.
+type flagSet struct {
+	*flag.FlagSet
+	help io.Writer
 }
 
-// parse parses args and turns flag errors into usage errors.
-func parse(fs *flag.FlagSet, args []string) error {
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return err
-		}
-		return usageErr("%v", err)
+// newFlagSet returns a flag set for a command that also takes the globals.
+func newFlagSet(name string, cio IO, g *globals) *flagSet {
+	fs := flag.NewFlagSet("idemctl "+name, flag.ContinueOnError)
+	// Errors are reported in one line by report; -h prints the flags.
+	fs.SetOutput(io.Discard)
+	fs.Usage = func() {}
+	g.register(fs)
+	return &flagSet{FlagSet: fs, help: cio.Out}
+}
+
+// parse parses args and turns flag errors into one-line usage errors.
+func (fs *flagSet) parse(args []string) error {
+	err := fs.Parse(args)
+	if errors.Is(err, flag.ErrHelp) {
+		fmt.Fprintf(fs.help, "Usage of %s:\n", fs.Name())
+		fs.SetOutput(fs.help)
+		fs.PrintDefaults()
+		return err
+	}
+	if err != nil {
+		return usageErr("%v (run %s -h)", err, fs.Name())
 	}
 	return nil
 }

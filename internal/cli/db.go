@@ -97,17 +97,21 @@ func connectErr(cc *pgx.ConnConfig, err error) error {
 		}
 	}
 	return withCode(ExitUnreachable, fmt.Errorf("cannot reach the database at %s: %s (check --database-url or DATABASE_URL, and that the server is up)",
-		where, redact(rootCause(err))))
+		where, redact(cause(err))))
 }
 
-func rootCause(err error) string {
-	for {
-		u := errors.Unwrap(err)
-		if u == nil {
-			return err.Error()
-		}
-		err = u
+// cause is the most useful part of a connection error: the network
+// error when there is one ("connect: connection refused").
+func cause(err error) string {
+	var op *net.OpError
+	if errors.As(err, &op) && op.Err != nil {
+		return op.Err.Error()
 	}
+	var dns *net.DNSError
+	if errors.As(err, &dns) {
+		return dns.Error()
+	}
+	return err.Error()
 }
 
 // requireMigrated fails with ExitNotMigrated unless idem's schema is there.

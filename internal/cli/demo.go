@@ -24,7 +24,7 @@ func runDemo(ctx context.Context, io IO, g *globals, args []string) error {
 	fs.IntVar(&cfg.Deliveries, "deliveries", 4, "concurrent deliveries of each event")
 	fs.IntVar(&cfg.Workers, "workers", 16, "concurrent handlers")
 	keep := fs.Bool("keep", false, "keep the demo's tables (schema idem_demo) afterwards")
-	if err := parse(fs, args); err != nil {
+	if err := fs.parse(args); err != nil {
 		return err
 	}
 	if cfg.Events < 1 || cfg.Deliveries < 1 || cfg.Workers < 1 {

@@ -22,7 +22,7 @@ func runMigrate(ctx context.Context, io IO, g *globals, args []string) error {
 		return usageErr("migrate needs a subcommand: up, down, status or version")
 	}
 	sub := args[0]
-	if err := parse(fs, args[1:]); err != nil {
+	if err := fs.parse(args[1:]); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {

@@ -41,13 +41,13 @@ func runPartitions(ctx context.Context, io IO, g *globals, args []string) error 
 	asJSON := false
 	switch sub {
 	case "rotate":
-		r.register(fs)
+		r.register(fs.FlagSet)
 	case "list":
 		fs.BoolVar(&asJSON, "json", false, "print JSON")
 	default:
 		return usageErr("unknown partitions subcommand %q: want rotate or list", sub)
 	}
-	if err := parse(fs, args[1:]); err != nil {
+	if err := fs.parse(args[1:]); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {

@@ -31,9 +31,9 @@ func (p *pruneFlags) register(fs *flag.FlagSet) {
 func runPrune(ctx context.Context, io IO, g *globals, args []string) error {
 	fs := newFlagSet("prune", io, g)
 	var p pruneFlags
-	p.register(fs)
+	p.register(fs.FlagSet)
 	fs.BoolVar(&p.cfg.DryRun, "dry-run", false, "report how many rows would be deleted; delete nothing")
-	if err := parse(fs, args); err != nil {
+	if err := fs.parse(args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {

@@ -50,10 +50,10 @@ func runDaemon(ctx context.Context, io IO, g *globals, args []string) error {
 	listen := fs.String("listen", ":9187", "address for /healthz and /metrics (empty: no HTTP server)")
 	shutdownWait := fs.Duration("shutdown-timeout", 30*time.Second, "on SIGTERM, how long to wait for a running job to stop")
 	var pf pruneFlags
-	pf.register(fs)
+	pf.register(fs.FlagSet)
 	var rf rotateFlags
-	rf.register(fs)
-	if err := parse(fs, args); err != nil {
+	rf.register(fs.FlagSet)
+	if err := fs.parse(args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {

@@ -37,7 +37,7 @@ type statsOut struct {
 func runStats(ctx context.Context, io IO, g *globals, args []string) error {
 	fs := newFlagSet("stats", io, g)
 	asJSON := fs.Bool("json", false, "print JSON")
-	if err := parse(fs, args); err != nil {
+	if err := fs.parse(args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {
