@@ -66,7 +66,7 @@ func (g *globals) register(fs *flag.FlagSet) {
 	fs.StringVar(&g.databaseURL, "database-url", "", "PostgreSQL connection string (default: $DATABASE_URL, then the libpq PG* variables)")
 	fs.StringVar(&g.logFormat, "log-format", "text", "log format on stderr: text or json")
 	fs.DurationVar(&g.lockTimeout, "lock-timeout", 2*time.Second, "lock_timeout for DDL and deletes: how long a statement may wait for a table lock")
-	fs.DurationVar(&g.statementTimeout, "statement-timeout", 5*time.Minute, "statement_timeout for each statement (0: none)")
+	fs.DurationVar(&g.statementTimeout, "statement-timeout", 5*time.Minute, "statement_timeout of each maintenance transaction")
 }
 
 func (g *globals) logger(w io.Writer) (*slog.Logger, error) {

@@ -36,10 +36,12 @@ func (g *globals) poolConfig(env Env) (*pgxpool.Config, error) {
 	if g.lockTimeout < 0 || g.statementTimeout < 0 {
 		return nil, usageErr("--lock-timeout and --statement-timeout must not be negative")
 	}
-	rp := cfg.ConnConfig.RuntimeParams
-	rp["application_name"] = "idemctl"
-	rp["lock_timeout"] = fmt.Sprint(g.lockTimeout.Milliseconds())
-	rp["statement_timeout"] = fmt.Sprint(g.statementTimeout.Milliseconds())
+	// Only application_name goes in the startup packet (PgBouncer passes it
+	// on); the timeouts are set per transaction by prune and rotation, since
+	// session settings do not survive transaction pooling.
+	if _, ok := cfg.ConnConfig.RuntimeParams["application_name"]; !ok {
+		cfg.ConnConfig.RuntimeParams["application_name"] = "idemctl"
+	}
 	if cfg.ConnConfig.ConnectTimeout == 0 {
 		cfg.ConnConfig.ConnectTimeout = 10 * time.Second
 	}

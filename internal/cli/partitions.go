@@ -28,7 +28,6 @@ func (r *rotateFlags) register(fs *flag.FlagSet) {
 	fs.BoolVar(&r.cfg.KeepDetached, "keep-detached", false, "retire months by DETACH (keep the table) instead of DROP")
 	fs.IntVar(&r.cfg.Retries, "retries", 4, "retries of a step that timed out on a lock (doubling backoff)")
 	fs.DurationVar(&r.cfg.Backoff, "backoff", 500*time.Millisecond, "first pause before a retry")
-	fs.BoolVar(&r.failIfLocked, "fail-if-locked", false, "exit 4 instead of 0 when another instance holds the lock")
 }
 
 func runPartitions(ctx context.Context, io IO, g *globals, args []string) error {
@@ -42,6 +41,7 @@ func runPartitions(ctx context.Context, io IO, g *globals, args []string) error 
 	switch sub {
 	case "rotate":
 		r.register(fs.FlagSet)
+		fs.BoolVar(&r.failIfLocked, "fail-if-locked", false, "exit 4 instead of 0 when another instance holds the lock")
 	case "list":
 		fs.BoolVar(&asJSON, "json", false, "print JSON")
 	default:
@@ -72,7 +72,7 @@ func runPartitions(ctx context.Context, io IO, g *globals, args []string) error 
 		return listPartitions(ctx, io, pool, asJSON)
 	}
 	r.cfg.Logger = log
-	r.cfg.LockTimeout = g.lockTimeout
+	r.cfg.LockTimeout, r.cfg.StatementTimeout = g.lockTimeout, g.statementTimeout
 	res, err := partition.Rotate(ctx, pool, r.cfg)
 	if res != nil {
 		reportRotate(io, res)

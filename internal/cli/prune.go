@@ -25,13 +25,13 @@ func (p *pruneFlags) register(fs *flag.FlagSet) {
 	fs.DurationVar(&p.cfg.Sleep, "sleep", 100*time.Millisecond, "pause between batches, jittered +-50%")
 	fs.DurationVar(&p.cfg.MaxDuration, "max-duration", 0, "stop after this long (0: until nothing is left)")
 	fs.DurationVar(&p.cfg.LockTTL, "lock-ttl", 30*time.Second, "lease of the prune lock; a killed prune blocks the next for at most this long")
-	fs.BoolVar(&p.failIfLocked, "fail-if-locked", false, "exit 4 instead of 0 when another instance holds the lock")
 }
 
 func runPrune(ctx context.Context, io IO, g *globals, args []string) error {
 	fs := newFlagSet("prune", io, g)
 	var p pruneFlags
 	p.register(fs.FlagSet)
+	fs.BoolVar(&p.failIfLocked, "fail-if-locked", false, "exit 4 instead of 0 when another instance holds the lock")
 	fs.BoolVar(&p.cfg.DryRun, "dry-run", false, "report how many rows would be deleted; delete nothing")
 	if err := fs.parse(args); err != nil {
 		return err
@@ -58,6 +58,7 @@ func runPrune(ctx context.Context, io IO, g *globals, args []string) error {
 		return err
 	}
 	p.cfg.Logger = log
+	p.cfg.LockTimeout, p.cfg.StatementTimeout = g.lockTimeout, g.statementTimeout
 	if isTerminal(io.Out) {
 		p.cfg.Progress = func(pr prune.Progress) {
 			fmt.Fprintf(io.Out, "\rdeleted %d rows in %d batches (%.0f rows/s)   ", pr.Deleted, pr.Batches, pr.Rate())

@@ -83,7 +83,8 @@ func runDaemon(ctx context.Context, io IO, g *globals, args []string) error {
 	m := newMetrics(pool)
 	pf.cfg.Logger = log.With(slog.String("job", "prune"))
 	rf.cfg.Logger = log.With(slog.String("job", "rotate"))
-	rf.cfg.LockTimeout = g.lockTimeout
+	rf.cfg.LockTimeout, rf.cfg.StatementTimeout = g.lockTimeout, g.statementTimeout
+	pf.cfg.LockTimeout, pf.cfg.StatementTimeout = g.lockTimeout, g.statementTimeout
 	cl := cronLogger{log}
 	c := cron.New(cron.WithParser(cronParser), cron.WithLogger(cl),
 		cron.WithChain(cron.Recover(cl), cron.SkipIfStillRunning(cl)))

@@ -22,6 +22,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/db/pgxdb"
+	"github.com/idemkit/idem/internal/dbutil"
 	"github.com/idemkit/idem/internal/maintlock"
 )
 
@@ -38,6 +39,9 @@ type Config struct {
 	KeepDetached bool
 	// LockTimeout bounds each DDL step's wait for its locks. Default 2s.
 	LockTimeout time.Duration
+	// StatementTimeout bounds each step (moving rows out of the default
+	// partition can take a while). Default 5m.
+	StatementTimeout time.Duration
 	// Retries is how many times a step that timed out on a lock is tried
 	// again (with doubling, jittered backoff from Backoff). Default 4.
 	Retries int
@@ -63,6 +67,9 @@ func (c *Config) defaults() error {
 	}
 	if c.LockTimeout < 0 || c.Retries < 0 || c.Backoff < 0 || c.LockTTL < 0 {
 		return errors.New("lock timeout, retries, backoff and lock ttl must not be negative")
+	}
+	if c.StatementTimeout <= 0 {
+		c.StatementTimeout = 5 * time.Minute
 	}
 	if c.Retries == 0 {
 		c.Retries = 4
@@ -213,7 +220,7 @@ func (c Config) step(ctx context.Context, pool *pgxpool.Pool, fn func(q *pgxdb.Q
 func (c Config) tx(ctx context.Context, pool *pgxpool.Pool, fn func(q *pgxdb.Queries) (string, error)) (string, error) {
 	var out string
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, "SELECT set_config('lock_timeout', $1, true)", fmt.Sprint(c.LockTimeout.Milliseconds())); err != nil {
+		if err := dbutil.SetLocalTimeouts(ctx, tx, c.LockTimeout, c.StatementTimeout); err != nil {
 			return err
 		}
 		var err error

@@ -17,10 +17,12 @@ import (
 	"math/rand/v2"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/db/pgxdb"
+	"github.com/idemkit/idem/internal/dbutil"
 	"github.com/idemkit/idem/internal/maintlock"
 )
 
@@ -40,6 +42,9 @@ type Config struct {
 	// LockTTL is the lease of the prune lock, renewed before every batch; a
 	// killed prune blocks the next one for at most this long. Default 30s.
 	LockTTL time.Duration
+	// LockTimeout and StatementTimeout are set for each batch's transaction
+	// (SET LOCAL, so they hold through PgBouncer). Defaults 2s and 5m.
+	LockTimeout, StatementTimeout time.Duration
 	// DryRun counts what would be deleted and deletes nothing.
 	DryRun bool
 	// Holder identifies this run in the lock table. Default host:pid:random.
@@ -98,6 +103,12 @@ func (c *Config) defaults() error {
 	if c.LockTTL == 0 {
 		c.LockTTL = 30 * time.Second
 	}
+	if c.LockTimeout <= 0 {
+		c.LockTimeout = 2 * time.Second
+	}
+	if c.StatementTimeout <= 0 {
+		c.StatementTimeout = 5 * time.Minute
+	}
 	if c.Holder == "" {
 		c.Holder = maintlock.NewHolderID()
 	}
@@ -149,7 +160,7 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config) (*Result, error) {
 		}
 		// The batch is not cancelled with ctx: on SIGTERM the current batch
 		// finishes (it is short) and the loop stops before the next one.
-		n, err := q.PruneBatch(context.WithoutCancel(ctx), pgxdb.PruneBatchParams{Holder: cfg.Holder, BatchSize: int32(cfg.BatchSize)})
+		n, err := cfg.batch(context.WithoutCancel(ctx), pool)
 		if err != nil {
 			var pg *pgconn.PgError
 			if errors.As(err, &pg) && pg.Code == "55P03" {
@@ -179,6 +190,18 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config) (*Result, error) {
 	}
 	res.Elapsed = time.Since(start)
 	return res, nil
+}
+
+// batch deletes one batch in a transaction of its own.
+func (c *Config) batch(ctx context.Context, pool *pgxpool.Pool) (n int64, err error) {
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		if err := dbutil.SetLocalTimeouts(ctx, tx, c.LockTimeout, c.StatementTimeout); err != nil {
+			return err
+		}
+		n, err = pgxdb.New(tx).PruneBatch(ctx, pgxdb.PruneBatchParams{Holder: c.Holder, BatchSize: int32(c.BatchSize)})
+		return err
+	})
+	return n, err
 }
 
 // jitter returns d scaled by a random factor in [0.5, 1.5).

@@ -1,0 +1,75 @@
+package cli
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	"github.com/idemkit/idem/internal/testdb"
+)
+
+// TestBadInvocations: every bad flag, spec, URL or database gives a
+// one-line actionable error and its documented exit code.
+func TestBadInvocations(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	migrated := testdb.New(t)
+	empty := testdb.NewEmpty(t)
+	none := map[string]string{}
+	cases := []struct {
+		name string
+		env  map[string]string
+		args []string
+		code int
+		msg  string
+	}{
+		{"no command", none, nil, ExitUsage, ""},
+		{"unknown command", none, []string{"frobnicate"}, ExitUsage, `unknown command "frobnicate"`},
+		{"unknown flag", none, []string{"prune", "--bogus"}, ExitUsage, "flag provided but not defined: -bogus"},
+		{"bad flag value", none, []string{"prune", "--batch-size", "many"}, ExitUsage, `invalid value "many" for flag -batch-size`},
+		{"batch size zero", none, []string{"prune", "--database-url", migrated, "--batch-size", "0"}, ExitUsage, "--batch-size must be between 1 and 1000000"},
+		{"negative sleep", none, []string{"prune", "--database-url", migrated, "--sleep", "-1s"}, ExitUsage, "must not be negative"},
+		{"bad log format", none, []string{"stats", "--database-url", migrated, "--log-format", "xml"}, ExitUsage, "--log-format must be text or json"},
+		{"stray argument", none, []string{"stats", "--database-url", migrated, "extra"}, ExitUsage, "stats takes no arguments"},
+		{"bad migrate subcommand", none, []string{"migrate", "sideways"}, ExitUsage, `unknown migrate subcommand "sideways"`},
+		{"bad premake", none, []string{"partitions", "rotate", "--database-url", migrated, "--premake", "-1"}, ExitUsage, "--premake must be 0 to 120"},
+		{"malformed cron spec", none, []string{"run", "--database-url", migrated, "--prune-schedule", "every five minutes"}, ExitUsage, `--prune-schedule "every five minutes" is not a valid cron spec`},
+		{"too many cron fields", none, []string{"run", "--database-url", migrated, "--rotate-schedule", "* * * * * * *"}, ExitUsage, "is not a valid cron spec"},
+		{"bad cron time zone", none, []string{"run", "--database-url", migrated, "--prune-schedule", "CRON_TZ=Mars/Olympus 0 3 * * *"}, ExitUsage, "is not a valid cron spec"},
+		{"bad @every", none, []string{"run", "--database-url", migrated, "--prune-schedule", "@every soon"}, ExitUsage, "is not a valid cron spec"},
+		{"malformed URL", none, []string{"stats", "--database-url", "postgres://u:hunter2@[::1"}, ExitUsage, "invalid database URL (from --database-url)"},
+		{"malformed DATABASE_URL", map[string]string{"DATABASE_URL": "postgres://%zz"}, []string{"check"}, ExitUsage, "invalid database URL (from DATABASE_URL)"},
+		{"unreachable", none, []string{"stats", "--database-url", "postgres://u:hunter2@127.0.0.1:1/x?connect_timeout=2"}, ExitUnreachable, "cannot reach the database at 127.0.0.1:1: connect: connection refused"},
+		{"unknown database", none, []string{"stats", "--database-url", strings.Replace(testdb.URLFor(t, "no_such_db"), "dbname=no_such_db", "dbname=no_such_db", 1)}, ExitUnreachable, `database "no_such_db" does not exist`},
+		{"unknown role", none, []string{"stats", "--database-url", migrated + " user=nobody_here password=hunter2"}, ExitUnreachable, `refused login for user "nobody_here"`},
+		{"not migrated", none, []string{"prune", "--database-url", empty}, ExitNotMigrated, "schema idem is not installed in this database: run `idemctl migrate up` first"},
+		{"not migrated check", none, []string{"check", "--database-url", empty}, ExitNotMigrated, "run `idemctl migrate up` first"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			r := idemctl(t, ctx, tc.env, tc.args...)
+			if r.code != tc.code {
+				t.Fatalf("exit %d, want %d\nstdout: %s\nstderr: %s", r.code, tc.code, r.out, r.errout)
+			}
+			if tc.msg != "" {
+				oneLine(t, r.errout, tc.msg)
+			}
+			if strings.Contains(r.errout+r.out, "hunter2") {
+				t.Fatalf("password leaked: %s", r.errout)
+			}
+		})
+	}
+}
+
+func TestHelp(t *testing.T) {
+	t.Parallel()
+	r := idemctl(t, context.Background(), nil, "help")
+	if r.code != ExitOK || !strings.Contains(r.out, "prune") || !strings.Contains(r.out, "Exit codes") {
+		t.Fatalf("help: %+v", r)
+	}
+	r = idemctl(t, context.Background(), nil, "prune", "-h")
+	if r.code != ExitOK || !strings.Contains(r.out, "-batch-size") {
+		t.Fatalf("prune -h: %+v", r)
+	}
+}
