@@ -128,7 +128,7 @@ func Rotate(ctx context.Context, pool *pgxpool.Pool, cfg Config) (*Result, error
 		return nil, err
 	}
 	if !held.Acquired {
-		cfg.Logger.LogAttrs(ctx, slog.LevelInfo, "rotate skipped: another instance holds the lock",
+		cfg.Logger.LogAttrs(ctx, slog.LevelDebug, "rotate skipped: another instance holds the lock",
 			slog.String("holder", held.Holder), slog.Time("until", held.ExpiresAt))
 		return &Result{Skipped: true, Holder: held}, nil
 	}

@@ -130,7 +130,7 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config) (*Result, error) {
 		return nil, err
 	}
 	if !held.Acquired {
-		cfg.Logger.LogAttrs(ctx, slog.LevelInfo, "prune skipped: another instance holds the lock",
+		cfg.Logger.LogAttrs(ctx, slog.LevelDebug, "prune skipped: another instance holds the lock",
 			slog.String("holder", held.Holder), slog.Time("until", held.ExpiresAt))
 		return &Result{Skipped: true, Holder: held}, nil
 	}

@@ -9,6 +9,7 @@ import (
 	"os/user"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -37,7 +38,13 @@ func PgBouncer(t testing.TB, dbname string) string {
 	if c := server.cluster; c != nil {
 		host, port = "127.0.0.1", uint16(c.Port)
 	}
-	dir := t.TempDir()
+	// Not t.TempDir(): its parent is private to root, and PgBouncer runs as
+	// the postgres user.
+	dir, err := os.MkdirTemp("", "idem-pgbouncer-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
 	var cred *syscall.Credential
 	if os.Geteuid() == 0 { // PgBouncer refuses to run as root, like PostgreSQL
 		u, err := user.Lookup("postgres")
@@ -77,6 +84,8 @@ pidfile = %s
 		t.Fatal(err)
 	}
 	cmd := exec.Command(bin, path)
+	var stderr strings.Builder
+	cmd.Stdout, cmd.Stderr = &stderr, &stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred, Pdeathsig: syscall.SIGTERM}
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("testdb: start pgbouncer: %v", err)
@@ -97,7 +106,7 @@ pidfile = %s
 		}
 		if time.Now().After(deadline) {
 			log, _ := os.ReadFile(filepath.Join(dir, "pgbouncer.log"))
-			t.Fatalf("testdb: pgbouncer did not come up: %v\n%s", err, log)
+			t.Fatalf("testdb: pgbouncer did not come up: %v\n%s\n%s", err, log, stderr.String())
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
