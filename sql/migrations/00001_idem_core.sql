@@ -115,7 +115,13 @@ AS $$ SELECT 'processed_events_p' || pg_catalog.to_char(month, 'YYYY_MM') $$;
 -- Rows of that month already sitting in the default partition are moved
 -- into the new partition in the same transaction, so creating a partition
 -- never fails because of them (the pg_partman default-partition trap).
--- Callers should SET lock_timeout: the default partition is briefly locked.
+--
+-- The table is made on its own and then ATTACHed: ATTACH takes only SHARE
+-- UPDATE EXCLUSIVE on processed_events, which claims do not conflict with,
+-- while CREATE TABLE ... PARTITION OF would take ACCESS EXCLUSIVE on it
+-- after locking the default partition, a lock order that deadlocks with
+-- claims. The default partition is locked (ACCESS EXCLUSIVE) for the few
+-- milliseconds this takes. Callers should SET lock_timeout.
 CREATE FUNCTION idem.create_partition(p_month date) RETURNS text
     LANGUAGE plpgsql
     SET search_path = pg_catalog, pg_temp
@@ -131,23 +137,17 @@ BEGIN
     IF to_regclass(format('idem.%I', v_name)) IS NOT NULL THEN
         RETURN v_name;
     END IF;
-    -- Lock the default partition first: nothing may land in it for this
-    -- month between the check below and the attach.
+    EXECUTE format('CREATE TABLE idem.%I (LIKE idem.processed_events INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING INDEXES) WITH (fillfactor = 85)', v_name);
+    -- Nothing may land in the default partition for this month between
+    -- moving its rows out and the attach.
     LOCK TABLE idem.processed_events_default IN ACCESS EXCLUSIVE MODE;
-    IF EXISTS (SELECT 1 FROM idem.processed_events_default d
-               WHERE d.first_seen_month >= v_lo AND d.first_seen_month < v_hi) THEN
-        EXECUTE format('CREATE TABLE idem.%I (LIKE idem.processed_events INCLUDING DEFAULTS INCLUDING CONSTRAINTS) WITH (fillfactor = 85)', v_name);
-        EXECUTE format('WITH moved AS (DELETE FROM idem.processed_events_default d
-                                        WHERE d.first_seen_month >= $1 AND d.first_seen_month < $2
-                                        RETURNING d.*)
-                        INSERT INTO idem.%I SELECT * FROM moved', v_name)
-            USING v_lo, v_hi;
-        EXECUTE format('ALTER TABLE idem.processed_events ATTACH PARTITION idem.%I FOR VALUES FROM (%L) TO (%L)',
-                       v_name, v_lo, v_hi);
-    ELSE
-        EXECUTE format('CREATE TABLE idem.%I PARTITION OF idem.processed_events FOR VALUES FROM (%L) TO (%L) WITH (fillfactor = 85)',
-                       v_name, v_lo, v_hi);
-    END IF;
+    EXECUTE format('WITH moved AS (DELETE FROM idem.processed_events_default d
+                                    WHERE d.first_seen_month >= $1 AND d.first_seen_month < $2
+                                    RETURNING d.*)
+                    INSERT INTO idem.%I SELECT * FROM moved', v_name)
+        USING v_lo, v_hi;
+    EXECUTE format('ALTER TABLE idem.processed_events ATTACH PARTITION idem.%I FOR VALUES FROM (%L) TO (%L)',
+                   v_name, v_lo, v_hi);
     RETURN v_name;
 END
 $$;
