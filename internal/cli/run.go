@@ -86,8 +86,11 @@ func runDaemon(ctx context.Context, io IO, g *globals, args []string) error {
 	rf.cfg.LockTimeout, rf.cfg.StatementTimeout = g.lockTimeout, g.statementTimeout
 	pf.cfg.LockTimeout, pf.cfg.StatementTimeout = g.lockTimeout, g.statementTimeout
 	cl := cronLogger{log}
+	// SkipIfStillRunning must wrap Recover, not the reverse: a panic that
+	// escapes SkipIfStillRunning loses its token and the job never runs
+	// again.
 	c := cron.New(cron.WithParser(cronParser), cron.WithLogger(cl),
-		cron.WithChain(cron.Recover(cl), cron.SkipIfStillRunning(cl)))
+		cron.WithChain(cron.SkipIfStillRunning(cl), cron.Recover(cl)))
 	c.Schedule(pruneSched, m.job(ctx, log, "prune", func(ctx context.Context) (string, error) {
 		res, err := prune.Run(ctx, pool, pf.cfg)
 		if err != nil {

@@ -1,0 +1,186 @@
+package cli
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"net"
+	"net/http"
+	"os/exec"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/robfig/cron/v3"
+
+	"github.com/idemkit/idem/internal/testdb"
+)
+
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+func get(t *testing.T, url string) (int, string) {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+// syncBuffer is a bytes.Buffer safe for the daemon's concurrent logging.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// TestRunDaemon: with @every 1s schedules the daemon runs its jobs, never
+// overlaps a job with itself, survives a panicking job, serves /healthz and
+// /metrics, and returns 0 when its context ends (SIGTERM in main).
+func TestRunDaemon(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.Pool(t, url, 2)
+	seedRows(t, pool, "exp-", monthStart(time.Now(), 0), 300, true, false)
+	addr := freeAddr(t)
+
+	var running, maxRunning, slowRuns, panics atomic.Int64
+	testHook = func(c *cron.Cron, m *metrics) {
+		// A job that takes 2.5s on a 1s schedule: SkipIfStillRunning must
+		// keep it from overlapping itself.
+		c.Schedule(cron.Every(time.Second), m.job(ctx, nil, "slow", func(context.Context) (string, error) {
+			n := running.Add(1)
+			for {
+				old := maxRunning.Load()
+				if n <= old || maxRunning.CompareAndSwap(old, n) {
+					break
+				}
+			}
+			time.Sleep(2500 * time.Millisecond)
+			running.Add(-1)
+			slowRuns.Add(1)
+			return "ok", nil
+		}))
+		c.Schedule(cron.Every(time.Second), m.job(ctx, nil, "boom", func(context.Context) (string, error) {
+			panics.Add(1)
+			panic("job exploded")
+		}))
+	}
+	defer func() { testHook = nil }()
+
+	var out, errw syncBuffer
+	code := make(chan int, 1)
+	go func() {
+		code <- Main(ctx, []string{"run", "--database-url", url, "--listen", addr,
+			"--prune-schedule", "@every 1s", "--rotate-schedule", "@every 1s", "--sleep", "1ms"},
+			&out, &errw, func(string) string { return "" })
+	}()
+	// Let it run for a few seconds.
+	deadline := time.Now().Add(20 * time.Second)
+	for slowRuns.Load() < 2 || panics.Load() < 3 {
+		if time.Now().After(deadline) {
+			t.Fatalf("jobs did not run: slow=%d panics=%d\n%s", slowRuns.Load(), panics.Load(), errw.String())
+		}
+		select {
+		case c := <-code:
+			t.Fatalf("daemon exited early with %d: %s", c, errw.String())
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	if maxRunning.Load() != 1 {
+		t.Errorf("the slow job overlapped itself: %d at once", maxRunning.Load())
+	}
+	status, body := get(t, "http://"+addr+"/healthz")
+	if status != 200 || strings.TrimSpace(body) != "ok" {
+		t.Errorf("/healthz: %d %q", status, body)
+	}
+	_, metrics := get(t, "http://"+addr+"/metrics")
+	for _, want := range []string{
+		`idem_job_runs_total{job="prune",result="ok"}`,
+		`idem_job_runs_total{job="rotate",result="ok"}`,
+		`idem_job_runs_total{job="boom",result="panic"}`,
+		`idem_prune_rows_deleted_total 300`,
+		`idem_partitions_ahead 3`,
+		`idem_default_partition_rows 0`,
+		`idem_job_last_success_timestamp_seconds{job="prune"}`,
+		`idem_job_duration_seconds_bucket{job="rotate"`,
+		`idem_database_up 1`,
+	} {
+		if !strings.Contains(metrics, want) {
+			t.Errorf("/metrics lacks %s", want)
+		}
+	}
+	if !strings.Contains(errw.String(), "job exploded") {
+		t.Errorf("the panic was not logged:\n%s", errw.String())
+	}
+	cancel()
+	select {
+	case c := <-code:
+		if c != 0 {
+			t.Fatalf("exit %d after shutdown: %s", c, errw.String())
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("daemon did not stop within 10s of its context ending")
+	}
+}
+
+// TestRunSIGTERM: the real binary exits 0 on SIGTERM.
+func TestRunSIGTERM(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	addr := freeAddr(t)
+	cmd := exec.Command(binary(t), "run", "--database-url", url, "--listen", addr, "--prune-schedule", "@every 1s")
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		resp, err := http.Get("http://" + addr + "/healthz")
+		if err == nil {
+			resp.Body.Close()
+			break
+		}
+		if time.Now().After(deadline) {
+			_ = cmd.Process.Kill()
+			t.Fatalf("daemon never served /healthz: %v\n%s", err, out.String())
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	time.Sleep(1500 * time.Millisecond) // let a prune run happen
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Fatalf("exit after SIGTERM: %v\n%s", err, out.String())
+	}
+	if !strings.Contains(out.String(), "idemctl run stopped") {
+		t.Fatalf("no clean shutdown in the log:\n%s", out.String())
+	}
+}
