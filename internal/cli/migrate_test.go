@@ -1,0 +1,36 @@
+package cli
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	"github.com/idemkit/idem/internal/testdb"
+)
+
+func TestMigrateCommand(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.NewEmpty(t)
+	env := map[string]string{"DATABASE_URL": url} // the fallback when --database-url is absent
+	steps := []struct {
+		args []string
+		want string
+	}{
+		{[]string{"migrate", "up"}, "applied 00002_idem_maintenance.sql"},
+		{[]string{"migrate", "up"}, "idem schema is up to date"},
+		{[]string{"migrate", "version"}, "2"},
+		{[]string{"migrate", "status"}, "00001_idem_core.sql                      applied"},
+		{[]string{"migrate", "down"}, "rolled back 00002_idem_maintenance.sql"},
+		{[]string{"migrate", "down", "--to", "0"}, "rolled back 00001_idem_core.sql"},
+		{[]string{"migrate", "down"}, "nothing to roll back"},
+		{[]string{"migrate", "version"}, "0"},
+		{[]string{"migrate", "up"}, "applied 00001_idem_core.sql"},
+	}
+	for _, s := range steps {
+		r := idemctl(t, ctx, env, s.args...)
+		if r.code != 0 || !strings.Contains(r.out, s.want) {
+			t.Fatalf("%v: exit %d, want output containing %q\nstdout: %s\nstderr: %s", s.args, r.code, s.want, r.out, r.errout)
+		}
+	}
+}

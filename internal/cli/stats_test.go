@@ -1,0 +1,106 @@
+package cli
+
+import (
+	"context"
+	"encoding/json"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/internal/testdb"
+)
+
+func TestStats(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.Pool(t, url, 4)
+	c := idem.New(pool, nil)
+	for i := range 10 {
+		key := string(rune('a' + i))
+		_, _ = c.Do(ctx, "stripe", key, func(context.Context) (any, error) { return 1, nil })
+		for range 3 { // three duplicates of each
+			_, _ = c.Do(ctx, "stripe", key, func(context.Context) (any, error) { return 1, nil })
+		}
+	}
+	_, _ = c.Claim(ctx, "github", "stuck", idem.WithLease(time.Second))
+	_, _ = c.Claim(ctx, "github", "busy")
+	time.Sleep(1100 * time.Millisecond)
+
+	r := idemctl(t, ctx, nil, "stats", "--database-url", url, "--json")
+	if r.code != 0 {
+		t.Fatalf("stats: %+v", r)
+	}
+	var out statsOut
+	if err := json.Unmarshal([]byte(r.out), &out); err != nil {
+		t.Fatal(err)
+	}
+	by := map[string]sourceStats{}
+	for _, s := range out.Sources {
+		by[s.Source] = s
+	}
+	st := by["stripe"]
+	if st.Keys != 10 || st.Completed != 10 || st.Duplicates != 30 || st.DuplicateRate != 0.75 {
+		t.Errorf("stripe stats: %+v", st)
+	}
+	gh := by["github"]
+	if gh.Keys != 2 || gh.Processing != 2 || gh.Stuck != 1 {
+		t.Errorf("github stats: %+v", gh)
+	}
+	if len(out.Partitions) < 3 {
+		t.Errorf("partitions: %+v", out.Partitions)
+	}
+	r = idemctl(t, ctx, nil, "stats", "--database-url", url)
+	if r.code != 0 || !strings.Contains(r.out, "75.0%") || !strings.Contains(r.out, "processed_events_default") {
+		t.Fatalf("stats table:\n%s", r.out)
+	}
+	if strings.Contains(r.out+r.errout, "password") {
+		t.Fatal("stats printed a password")
+	}
+}
+
+func TestCheck(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.Pool(t, url, 4)
+
+	// A fresh install has the current and next month only.
+	r := idemctl(t, ctx, nil, "check", "--database-url", url)
+	if r.code != ExitUnhealthy {
+		t.Fatalf("check on a fresh install: %+v", r)
+	}
+	oneLine(t, r.errout, "only 1 months after this one have a partition, want 2: run `idemctl partitions rotate`")
+	if r := idemctl(t, ctx, nil, "partitions", "rotate", "--database-url", url); r.code != 0 {
+		t.Fatal(r)
+	}
+	r = idemctl(t, ctx, nil, "check", "--database-url", url)
+	if r.code != 0 || !strings.HasPrefix(r.out, "healthy: 3 months premade") {
+		t.Fatalf("check after rotate: %+v", r)
+	}
+
+	// Every problem at once.
+	seedRows(t, pool, "stray-", monthStart(time.Now(), 9), 3, false, false) // default partition
+	seedRows(t, pool, "exp-", monthStart(time.Now(), 0), 20, true, false)   // expired backlog
+	if _, err := pool.Exec(ctx, `
+		INSERT INTO idem.processed_events (source, key, first_seen_month, status, token, lease_expires_at, first_seen, updated_at, expires_at)
+		VALUES ('s', 'stuck', date_trunc('month', now())::date, 'processing', 1, now() - interval '1 hour', now() - interval '2 hours', now(), now() + interval '1 day')`); err != nil {
+		t.Fatal(err)
+	}
+	r = idemctl(t, ctx, nil, "check", "--database-url", url, "--max-expired", "10")
+	if r.code != ExitUnhealthy {
+		t.Fatalf("check: %+v", r)
+	}
+	for _, want := range []string{"3 rows sit in the default partition", "20 expired rows wait for prune (threshold 10)", "1 keys stuck in processing"} {
+		if !strings.Contains(r.errout, want) {
+			t.Errorf("check output lacks %q:\n%s", want, r.errout)
+		}
+	}
+	oneLine(t, r.errout, "unhealthy:")
+	r = idemctl(t, ctx, nil, "check", "--database-url", url, "--max-expired", "10", "--json")
+	var h health
+	if err := json.Unmarshal([]byte(r.out), &h); err != nil || len(h.Problems) != 3 || r.code != ExitUnhealthy {
+		t.Fatalf("check --json: %+v %v %+v", h, err, r)
+	}
+}
