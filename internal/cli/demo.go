@@ -9,6 +9,8 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/idem/internal/demo"
+	"github.com/idemkit/idem/internal/partition"
+	"github.com/idemkit/idem/internal/prune"
 	"github.com/idemkit/idem/internal/pgcluster"
 	"github.com/idemkit/idem/migrate"
 )
@@ -71,6 +73,22 @@ func runDemo(ctx context.Context, io IO, g *globals, args []string) error {
 	}
 	if err != nil {
 		return err
+	}
+
+	// The operator's side: rotation, prune and the stats an operator reads.
+	fmt.Fprintln(io.Out, "\nmaintenance:")
+	rot, err := partition.Rotate(ctx, pool, partition.Config{})
+	if err != nil {
+		return fmt.Errorf("rotate: %w", err)
+	}
+	fmt.Fprintf(io.Out, "  partitions rotate: %d steps, partitions premade for the next 3 months\n", len(rot.Steps))
+	pr, err := prune.Run(ctx, pool, prune.Config{})
+	if err != nil {
+		return fmt.Errorf("prune: %w", err)
+	}
+	fmt.Fprintf(io.Out, "  prune: %d expired rows deleted (the demo's keys are kept 30 days)\n\n", pr.Deleted)
+	if err := runStats(ctx, io, &globals{}, []string{"--database-url", pool.Config().ConnString()}); err != nil {
+		return fmt.Errorf("stats: %w", err)
 	}
 	if !rep.OK() {
 		return errors.New("some checks failed")

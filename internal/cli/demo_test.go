@@ -1,0 +1,32 @@
+package cli
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	"github.com/idemkit/idem/internal/testdb"
+)
+
+// TestDemo runs the README's quick start: once against a given database,
+// once with nothing configured (it starts its own throwaway PostgreSQL).
+func TestDemo(t *testing.T) {
+	t.Parallel()
+	for name, env := range map[string]map[string]string{
+		"given database":    {"DATABASE_URL": testdb.NewEmpty(t)},
+		"throwaway cluster": {},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			r := idemctl(t, context.Background(), env, "demo", "--events", "120", "--deliveries", "4")
+			if r.code != 0 || !strings.Contains(r.out, "\nall checks passed\n") {
+				t.Fatalf("demo: exit %d\n%s\n%s", r.code, r.out, r.errout)
+			}
+			for _, want := range []string{"[PASS] one email per event, none twice (120 sent, 0 duplicates)", "partitions rotate:", "prune:", "DUP RATE"} {
+				if !strings.Contains(r.out, want) {
+					t.Errorf("demo output lacks %q", want)
+				}
+			}
+		})
+	}
+}
