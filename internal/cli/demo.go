@@ -10,8 +10,8 @@ import (
 
 	"github.com/idemkit/idem/internal/demo"
 	"github.com/idemkit/idem/internal/partition"
-	"github.com/idemkit/idem/internal/prune"
 	"github.com/idemkit/idem/internal/pgcluster"
+	"github.com/idemkit/idem/internal/prune"
 	"github.com/idemkit/idem/migrate"
 )
 
