@@ -1,0 +1,291 @@
+// Package idemhttp is net/http middleware that makes webhook and API
+// handlers idempotent with idem: the first request with a key runs the
+// handler, its response is stored, and every later request with the same
+// key gets that response replayed (with Idempotency-Replayed: true).
+//
+// Responses follow the IETF Idempotency-Key draft, as RFC 9457
+// problem+json: a missing key is 400 (or passed through), a request while
+// the first is still in flight is 409 with Retry-After, the same key with a
+// different payload is 422, an oversized request body is 413. A handler
+// that answers 5xx or panics releases the key, so the sender's retry runs
+// it again; 2xx and 4xx answers are stored and replayed.
+//
+// Presets extract the key the way real senders send it: Stripe (event id
+// in the body), GitHub (X-GitHub-Delivery), Shopify (X-Shopify-Event-Id),
+// Standard Webhooks / Svix (webhook-id). It is plain net/http, so it wraps
+// chi, echo and gin handlers through their net/http adapters.
+package idemhttp
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"math"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/idemkit/idem"
+)
+
+// Defaults.
+const (
+	DefaultMaxRequestBody  = 1 << 20   // 1 MiB
+	DefaultMaxResponseBody = 512 << 10 // 512 KiB: stored base64 inside idem's 1 MiB result cap
+)
+
+// KeyFunc extracts the idempotency key (and, optionally, the event type)
+// from a request whose body has been read into body. An empty key means the
+// request has none.
+type KeyFunc func(r *http.Request, body []byte) (key, eventType string, err error)
+
+// FingerprintFunc summarizes the request; the same key with a different
+// fingerprint is answered 422.
+type FingerprintFunc func(r *http.Request, body []byte) string
+
+// Config configures the middleware. Client and Source are required.
+type Config struct {
+	// Client runs the protocol (over a pool: the middleware heartbeats the
+	// lease while a slow handler runs).
+	Client *idem.Client
+	// Source is the namespace of the keys, e.g. "stripe"; presets set it.
+	Source string
+	// Key extracts the key. Default: the Idempotency-Key header.
+	Key KeyFunc
+	// Fingerprint summarizes the request. Default: SHA-256 of method, path
+	// and body.
+	Fingerprint FingerprintFunc
+	// PassThroughMissingKey runs the handler without idempotency when a
+	// request has no key, instead of answering 400.
+	PassThroughMissingKey bool
+	// MaxRequestBody caps the request body (413 past it). Default 1 MiB.
+	MaxRequestBody int64
+	// MaxResponseBody caps the stored response. A larger response is sent
+	// but not stored, and the key is released (a duplicate runs the handler
+	// again). Default 512 KiB.
+	MaxResponseBody int
+	// ReplayHeaders are the response headers stored and replayed.
+	// Default: Content-Type, Content-Language, Location, Cache-Control, ETag.
+	ReplayHeaders []string
+	// Store decides which statuses are stored and replayed; the others
+	// release the key for a retry. Default: status < 500.
+	Store func(status int) bool
+	// TTL and Lease override the source's policy (0: the policy). Senders
+	// time out after about 10 seconds (Stripe, GitHub): the lease is
+	// extended while the handler runs, so it only needs to outlast a
+	// crashed worker's silence.
+	TTL, Lease time.Duration
+	// Logger receives warnings. Default slog.Default().
+	Logger *slog.Logger
+}
+
+// Response is what the middleware stores for a key: enough to replay the
+// first answer byte for byte.
+type Response struct {
+	Status  int                 `json:"status"`
+	Headers map[string][]string `json:"headers,omitempty"`
+	Body    []byte              `json:"body"` // base64 in JSON
+}
+
+// ReplayedHeader marks a replayed response.
+const ReplayedHeader = "Idempotency-Replayed"
+
+// New returns the middleware.
+func New(cfg Config) (func(http.Handler) http.Handler, error) {
+	if cfg.Client == nil {
+		return nil, errors.New("idemhttp: Config.Client is required")
+	}
+	if cfg.Source == "" {
+		return nil, errors.New("idemhttp: Config.Source is required")
+	}
+	if cfg.Key == nil {
+		cfg.Key = IdempotencyKeyHeader
+	}
+	if cfg.Fingerprint == nil {
+		cfg.Fingerprint = RequestFingerprint
+	}
+	if cfg.MaxRequestBody == 0 {
+		cfg.MaxRequestBody = DefaultMaxRequestBody
+	}
+	if cfg.MaxResponseBody == 0 {
+		cfg.MaxResponseBody = DefaultMaxResponseBody
+	}
+	if cfg.MaxRequestBody < 0 || cfg.MaxResponseBody < 0 {
+		return nil, errors.New("idemhttp: body caps must not be negative")
+	}
+	if cfg.ReplayHeaders == nil {
+		cfg.ReplayHeaders = []string{"Content-Type", "Content-Language", "Location", "Cache-Control", "ETag"}
+	}
+	if cfg.Store == nil {
+		cfg.Store = func(status int) bool { return status < 500 }
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	return func(next http.Handler) http.Handler {
+		return &middleware{cfg: cfg, next: next}
+	}, nil
+}
+
+type middleware struct {
+	cfg  Config
+	next http.Handler
+}
+
+// errRetry marks a handler answer that releases the key.
+type errRetry struct{ status int }
+
+func (e errRetry) Error() string { return fmt.Sprintf("handler answered %d", e.status) }
+
+// errTooLarge marks a response too large to store.
+var errTooLarge = errors.New("response too large to store")
+
+func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, m.cfg.MaxRequestBody))
+	if err != nil {
+		var tooBig *http.MaxBytesError
+		if errors.As(err, &tooBig) {
+			problem(w, http.StatusRequestEntityTooLarge, "Request body too large",
+				fmt.Sprintf("The request body exceeds %d bytes.", m.cfg.MaxRequestBody), nil)
+			return
+		}
+		problem(w, http.StatusBadRequest, "Unreadable request body", err.Error(), nil)
+		return
+	}
+	r.Body = io.NopCloser(newReader(body))
+	key, eventType, err := m.cfg.Key(r, body)
+	if err != nil {
+		problem(w, http.StatusBadRequest, "Invalid idempotency key", err.Error(), nil)
+		return
+	}
+	if key == "" {
+		if m.cfg.PassThroughMissingKey {
+			m.next.ServeHTTP(w, r)
+			return
+		}
+		problem(w, http.StatusBadRequest, "Idempotency key missing",
+			"This endpoint requires an idempotency key (the Idempotency-Key header, or the sender's delivery id).", nil)
+		return
+	}
+
+	opts := []idem.ClaimOption{idem.WithFingerprint(m.cfg.Fingerprint(r, body))}
+	if eventType != "" {
+		opts = append(opts, idem.WithEventType(eventType))
+	}
+	if m.cfg.TTL > 0 {
+		opts = append(opts, idem.WithTTL(m.cfg.TTL))
+	}
+	if m.cfg.Lease > 0 {
+		opts = append(opts, idem.WithLease(m.cfg.Lease))
+	}
+
+	var rec *recorder
+	res, err := m.cfg.Client.Do(r.Context(), m.cfg.Source, key, func(ctx context.Context) (any, error) {
+		rec = newRecorder(m.cfg.MaxResponseBody)
+		m.next.ServeHTTP(rec, r.WithContext(ctx))
+		if rec.overflow {
+			return nil, errTooLarge
+		}
+		if !m.cfg.Store(rec.status()) {
+			return nil, errRetry{rec.status()}
+		}
+		return m.stored(rec), nil
+	}, opts...)
+
+	switch {
+	case err == nil && res.Replayed:
+		m.replay(w, res.Result)
+	case err == nil:
+		rec.flushTo(w)
+	case errors.Is(err, idem.ErrInProgress):
+		retry := 1
+		if res != nil && res.Claim != nil && !res.Claim.LeaseExpiresAt.IsZero() {
+			retry = max(1, int(math.Ceil(time.Until(res.Claim.LeaseExpiresAt).Seconds())))
+		}
+		problem(w, http.StatusConflict, "Request in progress",
+			"A request with this idempotency key is being processed; retry later.",
+			map[string]string{"Retry-After": strconv.Itoa(retry)})
+	case errors.Is(err, idem.ErrMismatch):
+		problem(w, http.StatusUnprocessableEntity, "Idempotency key reused",
+			"This idempotency key was used with a different request payload.", nil)
+	case errors.Is(err, idem.ErrFailed):
+		var fe *idem.FailedError
+		errors.As(err, &fe)
+		problem(w, http.StatusUnprocessableEntity, "Request failed permanently", fe.Message, nil)
+	case errors.Is(err, idem.ErrInvalidInput):
+		problem(w, http.StatusBadRequest, "Invalid idempotency key", err.Error(), nil)
+	case rec != nil && (errors.As(err, new(errRetry)) || errors.Is(err, errTooLarge)):
+		// The handler answered; its answer was not stored. Send it as is.
+		if errors.Is(err, errTooLarge) {
+			m.cfg.Logger.LogAttrs(r.Context(), slog.LevelWarn, "idemhttp: response too large to store; the key was released",
+				slog.String("source", m.cfg.Source), slog.String("key", key), slog.Int("limit", m.cfg.MaxResponseBody))
+		}
+		rec.flushTo(w)
+	case rec != nil && errors.As(err, new(*idem.PanicError)):
+		m.cfg.Logger.LogAttrs(r.Context(), slog.LevelError, "idemhttp: handler panicked; the key was released",
+			slog.String("source", m.cfg.Source), slog.String("key", key), slog.Any("error", err))
+		problem(w, http.StatusInternalServerError, "Internal error", "The handler failed; retry the request.", nil)
+	case rec != nil && rec.written() && errors.Is(err, idem.ErrLeaseLost):
+		// The work ran but another worker took the key over: send this
+		// run's answer; the other run's stored answer replays later.
+		rec.flushTo(w)
+	default:
+		m.cfg.Logger.LogAttrs(r.Context(), slog.LevelError, "idemhttp: idempotency store failed",
+			slog.String("source", m.cfg.Source), slog.String("key", key), slog.Any("error", err))
+		if rec != nil && rec.written() {
+			// The handler ran: its answer is the truth, even if it could
+			// not be stored.
+			rec.flushTo(w)
+			return
+		}
+		problem(w, http.StatusServiceUnavailable, "Idempotency store unavailable",
+			"The request was not processed; retry later.", map[string]string{"Retry-After": "5"})
+	}
+}
+
+func (m *middleware) stored(rec *recorder) Response {
+	resp := Response{Status: rec.status(), Body: rec.body.Bytes(), Headers: map[string][]string{}}
+	for _, h := range m.cfg.ReplayHeaders {
+		if v := rec.header.Values(h); len(v) > 0 {
+			resp.Headers[http.CanonicalHeaderKey(h)] = v
+		}
+	}
+	return resp
+}
+
+func (m *middleware) replay(w http.ResponseWriter, raw json.RawMessage) {
+	var resp Response
+	if err := json.Unmarshal(raw, &resp); err != nil || resp.Status == 0 {
+		// Completed by something other than this middleware (idem.complete
+		// from SQL, another program): there is no response to replay.
+		w.Header().Set(ReplayedHeader, "true")
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusOK)
+		_, _ = w.Write(raw)
+		return
+	}
+	for k, v := range resp.Headers {
+		w.Header()[k] = v
+	}
+	w.Header().Set(ReplayedHeader, "true")
+	w.WriteHeader(resp.Status)
+	_, _ = w.Write(resp.Body)
+}
+
+// problem writes an RFC 9457 problem+json response.
+func problem(w http.ResponseWriter, status int, title, detail string, headers map[string]string) {
+	for k, v := range headers {
+		w.Header().Set(k, v)
+	}
+	w.Header().Set("Content-Type", "application/problem+json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(map[string]any{
+		"type":   "about:blank",
+		"title":  title,
+		"status": status,
+		"detail": detail,
+	})
+}
