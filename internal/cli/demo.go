@@ -5,8 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/internal/demo"
 	"github.com/idemkit/idem/internal/partition"
@@ -25,7 +27,7 @@ func runDemo(ctx context.Context, io IO, g *globals, args []string) error {
 	fs.IntVar(&cfg.Events, "events", 300, "distinct webhook events")
 	fs.IntVar(&cfg.Deliveries, "deliveries", 4, "concurrent deliveries of each event")
 	fs.IntVar(&cfg.Workers, "workers", 16, "concurrent handlers")
-	keep := fs.Bool("keep", false, "keep the demo's tables (schema idem_demo) afterwards")
+	keep := fs.Bool("keep", false, "keep the receiver's payments table afterwards")
 	if err := fs.parse(args); err != nil {
 		return err
 	}
@@ -36,7 +38,8 @@ func runDemo(ctx context.Context, io IO, g *globals, args []string) error {
 	if err != nil {
 		return err
 	}
-	if g.resolveURL(io.Env) == "" {
+	throwaway := g.resolveURL(io.Env) == ""
+	if throwaway {
 		fmt.Fprintln(io.Out, "no --database-url or DATABASE_URL: starting a throwaway PostgreSQL...")
 		c, err := pgcluster.Start(ctx)
 		if err != nil {
@@ -62,13 +65,31 @@ func runDemo(ctx context.Context, io IO, g *globals, args []string) error {
 	}
 	fmt.Fprintf(io.Out, "migrations applied: %d new\n", len(res))
 
-	rep, err := demo.Run(ctx, pool, cfg)
+	if throwaway {
+		// Only in the throwaway database: pin a session's idem.clock() to
+		// just before midnight at the end of last month.
+		cfg.CrossMonth = func(ctx context.Context, at time.Time) (*pgxpool.Pool, error) {
+			if _, err := pool.Exec(ctx, pgcluster.ClockOverrideSQL); err != nil {
+				return nil, err
+			}
+			if _, err := pool.Exec(ctx, `SELECT idem.create_partition($1)`, at); err != nil {
+				return nil, err
+			}
+			pc := pool.Config().Copy()
+			pc.ConnConfig.RuntimeParams[pgcluster.ClockParam] = at.Format(time.RFC3339)
+			return pgxpool.NewWithConfig(ctx, pc)
+		}
+	}
+	// The receiver's own warnings (the storm's injected failures) would
+	// drown the report; only errors go to stderr.
+	quiet := slog.New(slog.NewTextHandler(io.Err, &slog.HandlerOptions{Level: slog.LevelError}))
+	rep, err := demo.Run(ctx, pool, cfg, quiet)
 	if rep != nil {
 		rep.Print(io.Out)
 	}
 	if !*keep {
-		if _, derr := pool.Exec(context.WithoutCancel(ctx), "DROP SCHEMA IF EXISTS "+pgx.Identifier{"idem_demo"}.Sanitize()+" CASCADE"); derr != nil {
-			log.LogAttrs(ctx, slog.LevelWarn, "could not drop the demo schema", slog.Any("error", derr))
+		if _, derr := pool.Exec(context.WithoutCancel(ctx), "DROP TABLE IF EXISTS "+pgx.Identifier{"payments"}.Sanitize()); derr != nil {
+			log.LogAttrs(ctx, slog.LevelWarn, "could not drop the payments table", slog.Any("error", derr))
 		}
 	}
 	if err != nil {

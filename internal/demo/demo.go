@@ -1,35 +1,45 @@
-// Package demo is the quick start's storm: a Stripe-style invoice.paid
-// handler receives every event several times at once, some deliveries slow,
-// some failing and retried by the sender, and the checks at the end prove
-// that each payment was booked once and each confirmation email sent once.
+// Package demo is the quick start's storm: the example webhook receiver
+// (examples/webhook-receiver) is served over HTTP and a Stripe-like sender
+// fires invoice.paid events at it, each delivered several times at once,
+// some slow, some failing and retried by the sender, some emails failing
+// once, one event first delivered last month. The checks at the end prove
+// that each payment was booked once and each email sent once.
 package demo
 
 import (
+	"bytes"
 	"context"
-	"errors"
+	"encoding/json"
 	"fmt"
+	"hash/fnv"
 	"io"
+	"log/slog"
 	"math/rand/v2"
+	"net"
+	"net/http"
 	"sync"
 	"sync/atomic"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/examples/webhook-receiver/receiver"
 )
 
 // Config sizes the storm. Zero fields take the defaults in brackets.
 type Config struct {
 	Events     int     // distinct events [300]
 	Deliveries int     // deliveries of each event, concurrently [4]
-	Workers    int     // concurrent handlers [16]
-	FlakyRate  float64 // share of events whose first run fails (retryable) [0.1]
-	SlowRate   float64 // share of runs that take SlowFor [0.05]
+	Workers    int     // concurrent sender connections [16]
+	FlakyRate  float64 // share of events whose first run fails [0.1]
+	SlowRate   float64 // share of events whose work takes SlowFor [0.05]
 	SlowFor    time.Duration
-	Schema     string // schema for the demo's own tables [idem_demo]
-	Source     string // idem source name [stripe-demo]
+	// CrossMonth, when set, is called to make a pool whose sessions live
+	// just before the start of this month; the demo delivers one event
+	// through it first, so its redeliveries cross into the new month. It
+	// needs a database whose idem.clock() can be pinned (the throwaway one).
+	CrossMonth func(ctx context.Context, at time.Time) (*pgxpool.Pool, error)
 }
 
 func (c *Config) defaults() {
@@ -51,25 +61,22 @@ func (c *Config) defaults() {
 	if c.SlowFor == 0 {
 		c.SlowFor = 150 * time.Millisecond
 	}
-	if c.Schema == "" {
-		c.Schema = "idem_demo"
-	}
-	if c.Source == "" {
-		c.Source = "stripe-demo"
-	}
 }
 
 // Report is what happened.
 type Report struct {
-	Events, Deliveries, Retries int
-	Acquired, Replayed, Waited  int64
-	FailedRuns                  int64
-	EmailsSent, DuplicateEmails int
-	Payments                    int
-	BalancesOK                  bool
-	StillProcessing             int
-	Elapsed                     time.Duration
-	Checks                      []Check
+	Events, Deliveries   int
+	SenderRetries        int64
+	Statuses             map[int]int64
+	Replayed             int64
+	EmailsSent           int
+	DuplicateEmails      int
+	Payments             int
+	BalancesOK           bool
+	StillProcessing      int
+	CrossMonth           string // what happened to the event first seen last month
+	Elapsed              time.Duration
+	Checks               []Check
 }
 
 // Check is one assertion of the demo.
@@ -91,12 +98,16 @@ func (r *Report) OK() bool {
 
 // Print writes the report for a person.
 func (r *Report) Print(w io.Writer) {
-	fmt.Fprintf(w, "\nstorm: %d events x %d deliveries = %d deliveries (+%d sender retries) in %s\n",
-		r.Events, r.Deliveries/r.Events, r.Deliveries, r.Retries, r.Elapsed.Round(time.Millisecond))
-	fmt.Fprintf(w, "  work ran (acquired):        %d (%d of them failed and were retried)\n", r.Acquired, r.FailedRuns)
-	fmt.Fprintf(w, "  duplicates absorbed:        %d replayed + %d waited for the first delivery\n", r.Replayed, r.Waited)
-	fmt.Fprintf(w, "  payments booked:            %d\n", r.Payments)
-	fmt.Fprintf(w, "  confirmation emails sent:   %d (duplicates: %d)\n", r.EmailsSent, r.DuplicateEmails)
+	fmt.Fprintf(w, "\nstorm: %d invoice.paid events x %d concurrent deliveries = %d deliveries in %s\n",
+		r.Events, r.Deliveries/max(r.Events, 1), r.Deliveries, r.Elapsed.Round(time.Millisecond))
+	fmt.Fprintf(w, "  sender retries after a non-2xx: %d\n", r.SenderRetries)
+	fmt.Fprintf(w, "  HTTP answers:                   %v\n", r.Statuses)
+	fmt.Fprintf(w, "  duplicates absorbed (replayed): %d\n", r.Replayed)
+	fmt.Fprintf(w, "  payments booked:                %d\n", r.Payments)
+	fmt.Fprintf(w, "  confirmation emails sent:       %d (duplicates: %d)\n", r.EmailsSent, r.DuplicateEmails)
+	if r.CrossMonth != "" {
+		fmt.Fprintf(w, "  event first seen last month:    %s\n", r.CrossMonth)
+	}
 	fmt.Fprintln(w, "\nchecks:")
 	for _, c := range r.Checks {
 		mark := "PASS"
@@ -107,126 +118,128 @@ func (r *Report) Print(w io.Writer) {
 	}
 }
 
-// mailer is the stub transport: it records what was sent.
-type mailer struct {
-	mu   sync.Mutex
-	sent map[string]int
-}
-
-func (m *mailer) send(invoice string) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	m.sent[invoice]++
-}
-
 type event struct {
-	id, invoice, customer string
-	amount                int
-	flaky                 bool
+	id, invoice, customer, email string
+	amount                       int
+	body                         []byte
 }
 
-var errFlaky = errors.New("payment processor timed out")
+func pick(id string, rate float64) bool {
+	h := fnv.New32a()
+	h.Write([]byte(id))
+	return float64(h.Sum32()%10000) < rate*10000
+}
 
-// Run creates the demo tables in cfg.Schema, runs the storm against pool
-// (idem's migrations must be applied) and checks the outcome.
-func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config) (*Report, error) {
+// Run serves the receiver against pool (idem's migrations must be
+// applied), runs the storm and checks the outcome.
+func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config, log *slog.Logger) (*Report, error) {
 	cfg.defaults()
-	schema := pgx.Identifier{cfg.Schema}.Sanitize()
-	if _, err := pool.Exec(ctx, fmt.Sprintf(`
-		CREATE SCHEMA IF NOT EXISTS %[1]s;
-		DROP TABLE IF EXISTS %[1]s.payments;
-		CREATE TABLE %[1]s.payments (
-			invoice_id   text PRIMARY KEY,
-			customer     text NOT NULL,
-			amount_cents integer NOT NULL,
-			paid_at      timestamptz NOT NULL DEFAULT now())`, schema)); err != nil {
-		return nil, fmt.Errorf("create demo tables: %w", err)
+	if err := receiver.Setup(ctx, pool); err != nil {
+		return nil, fmt.Errorf("create the receiver's table: %w", err)
 	}
-	run := fmt.Sprintf("%x", rand.Uint32())
+	run := fmt.Sprintf("%08x", rand.Uint32())
 	events := make([]event, cfg.Events)
 	want := map[string]int{}
 	for i := range events {
 		e := event{
-			id:       fmt.Sprintf("evt_%s_%04d", run, i),
-			invoice:  fmt.Sprintf("in_%s_%04d", run, i),
-			customer: fmt.Sprintf("cus_%02d", i%25),
+			id:       fmt.Sprintf("evt_%s%05d", run, i),
+			invoice:  fmt.Sprintf("in_%s%05d", run, i),
+			customer: fmt.Sprintf("cus_%s%02d", run, i%25),
 			amount:   100 * (1 + i%50),
-			flaky:    rand.Float64() < cfg.FlakyRate,
 		}
+		e.email = e.customer + "@example.com"
+		e.body, _ = json.Marshal(map[string]any{
+			"id": e.id, "object": "event", "type": "invoice.paid", "livemode": false,
+			"data": map[string]any{"object": map[string]any{
+				"id": e.invoice, "object": "invoice", "customer": e.customer,
+				"customer_email": e.email, "amount_paid": e.amount, "currency": "usd", "status": "paid"}},
+		})
 		events[i] = e
 		want[e.customer] += e.amount
 	}
 
-	client := idem.New(pool, &idem.Config{})
-	mail := &mailer{sent: map[string]int{}}
-	var flakyOnce sync.Map
-	rep := &Report{Events: cfg.Events, Deliveries: cfg.Events * cfg.Deliveries}
-	var retries atomic.Int64
+	mail := &receiver.StubMailer{FailFirst: func(subject string) bool { return pick(subject, 0.05) }}
+	rc := &receiver.Receiver{Pool: pool, Idem: idem.New(pool, nil), Mail: mail, Log: log,
+		Chaos: &receiver.Chaos{
+			Slow: func(id string) time.Duration {
+				if pick(id+"slow", cfg.SlowRate) {
+					return cfg.SlowFor
+				}
+				return 0
+			},
+			FailOnce: func(id string) bool { return pick(id, cfg.FlakyRate) },
+		}}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	mux := http.NewServeMux()
+	mux.Handle("POST /webhooks/stripe", rc)
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go func() { _ = srv.Serve(ln) }()
+	defer srv.Close()
+	url := "http://" + ln.Addr().String() + "/webhooks/stripe"
 
-	// handle is the webhook handler: the payment row and the claim commit
-	// together; the email goes out after the commit, only for the delivery
-	// that did the work.
-	handle := func(ctx context.Context, e event) error {
-		tx, err := pool.Begin(ctx)
+	rep := &Report{Events: cfg.Events, Deliveries: cfg.Events * cfg.Deliveries, Statuses: map[int]int64{}}
+	// One event was first delivered (and processed) just before midnight
+	// at the end of last month: its key lives in last month's partition.
+	if cfg.CrossMonth != nil && len(events) > 0 {
+		e := events[0]
+		now := time.Now().UTC()
+		boundary := time.Date(now.Year(), now.Month(), 1, 0, 0, 0, 0, time.UTC)
+		old, err := cfg.CrossMonth(ctx, boundary.Add(-time.Second))
 		if err != nil {
-			return err
+			return nil, fmt.Errorf("cross-month setup: %w", err)
 		}
-		defer tx.Rollback(ctx)
-		res, err := client.WithTx(tx).Do(ctx, cfg.Source, e.id, func(ctx context.Context) (any, error) {
-			if rand.Float64() < cfg.SlowRate {
-				time.Sleep(cfg.SlowFor)
+		earlier := &receiver.Receiver{Pool: old, Idem: idem.New(old, nil), Mail: mail, Log: log, Chaos: rc.Chaos}
+		for attempt := 1; ; attempt++ { // the sender retries until a 2xx
+			rec := &statusRecorder{header: http.Header{}}
+			req, _ := http.NewRequestWithContext(ctx, "POST", url, bytes.NewReader(e.body))
+			earlier.ServeHTTP(rec, req)
+			rep.Deliveries++
+			if rec.code == 0 || rec.code == http.StatusOK {
+				break
 			}
-			if _, seen := flakyOnce.LoadOrStore(e.id, true); e.flaky && !seen {
-				return nil, errFlaky
+			if attempt == 8 {
+				old.Close()
+				return nil, fmt.Errorf("cross-month first delivery still answered %d after %d attempts", rec.code, attempt)
 			}
-			// An absolute write: the invoice is paid, whatever ran before.
-			_, err := tx.Exec(ctx, fmt.Sprintf(`INSERT INTO %s.payments (invoice_id, customer, amount_cents)
-				VALUES ($1, $2, $3) ON CONFLICT (invoice_id) DO UPDATE SET amount_cents = EXCLUDED.amount_cents`, schema),
-				e.invoice, e.customer, e.amount)
-			return map[string]any{"invoice": e.invoice, "status": "paid"}, err
-		}, idem.WithEventType("invoice.paid"))
-		if err != nil {
-			if errors.Is(err, errFlaky) {
-				atomic.AddInt64(&rep.FailedRuns, 1)
-				// The failure is recorded in the transaction; commit it so
-				// the next delivery re-runs the work.
-				_ = tx.Commit(ctx)
-			}
-			return err
 		}
-		if err := tx.Commit(ctx); err != nil {
-			return err
-		}
-		if res.Replayed {
-			atomic.AddInt64(&rep.Replayed, 1)
-		} else {
-			atomic.AddInt64(&rep.Acquired, 1)
-			mail.send(e.invoice)
-		}
-		return nil
+		old.Close()
 	}
 
-	// deliver is the sender: it retries a failed delivery with backoff.
-	deliver := func(ctx context.Context, e event) error {
+	var mu sync.Mutex
+	client := &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{MaxIdleConnsPerHost: cfg.Workers}}
+	deliver := func(e event) error {
 		for attempt := 0; ; attempt++ {
-			err := handle(ctx, e)
-			if err == nil {
+			resp, err := client.Post(url, "application/json", bytes.NewReader(e.body))
+			if err != nil {
+				return err
+			}
+			var body struct {
+				Replayed bool `json:"replayed"`
+			}
+			_ = json.NewDecoder(resp.Body).Decode(&body)
+			resp.Body.Close()
+			mu.Lock()
+			rep.Statuses[resp.StatusCode]++
+			mu.Unlock()
+			if resp.StatusCode/100 == 2 {
+				if body.Replayed {
+					atomic.AddInt64(&rep.Replayed, 1)
+				}
 				return nil
 			}
-			if errors.Is(err, idem.ErrInProgress) {
-				atomic.AddInt64(&rep.Waited, 1)
-				return nil
+			if attempt >= 8 {
+				return fmt.Errorf("event %s: still %d after %d attempts", e.id, resp.StatusCode, attempt+1)
 			}
-			if attempt >= 8 || ctx.Err() != nil {
-				return fmt.Errorf("event %s: gave up after %d attempts: %w", e.id, attempt+1, err)
-			}
-			retries.Add(1)
-			time.Sleep(time.Duration(10*(attempt+1)) * time.Millisecond)
+			atomic.AddInt64(&rep.SenderRetries, 1)
+			time.Sleep(time.Duration(20*(attempt+1)) * time.Millisecond) // the sender's backoff
 		}
 	}
 
 	start := time.Now()
-	queue := make([]event, 0, rep.Deliveries)
+	queue := make([]event, 0, cfg.Events*cfg.Deliveries)
 	for _, e := range events {
 		for range cfg.Deliveries {
 			queue = append(queue, e)
@@ -234,18 +247,16 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config) (*Report, error) {
 	}
 	rand.Shuffle(len(queue), func(i, j int) { queue[i], queue[j] = queue[j], queue[i] })
 	ch := make(chan event)
-	errc := make(chan error, cfg.Workers)
+	var firstErr error
+	var errOnce sync.Once
 	var wg sync.WaitGroup
 	for range cfg.Workers {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			for e := range ch {
-				if err := deliver(ctx, e); err != nil {
-					select {
-					case errc <- err:
-					default:
-					}
+				if err := deliver(e); err != nil {
+					errOnce.Do(func() { firstErr = err })
 				}
 			}
 		}()
@@ -256,21 +267,16 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config) (*Report, error) {
 	close(ch)
 	wg.Wait()
 	rep.Elapsed = time.Since(start)
-	rep.Retries = int(retries.Load())
-	select {
-	case err := <-errc:
-		return rep, err
-	default:
+	if firstErr != nil {
+		return rep, firstErr
 	}
 
-	for _, n := range mail.sent {
-		rep.EmailsSent += n
-		if n > 1 {
-			rep.DuplicateEmails += n - 1
-		}
+	for _, n := range mail.Sent {
+		rep.EmailsSent++
+		rep.DuplicateEmails += n - 1
 	}
 	got := map[string]int{}
-	rows, err := pool.Query(ctx, fmt.Sprintf(`SELECT customer, sum(amount_cents)::int, count(*)::int FROM %s.payments GROUP BY customer`, schema))
+	rows, err := pool.Query(ctx, `SELECT customer, sum(amount_cents)::int, count(*)::int FROM payments WHERE event_id LIKE $1 GROUP BY customer`, "evt_"+run+"%")
 	if err != nil {
 		return rep, err
 	}
@@ -290,16 +296,35 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config) (*Report, error) {
 	for c, w := range want {
 		rep.BalancesOK = rep.BalancesOK && got[c] == w
 	}
-	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem.processed_events WHERE source = $1 AND key LIKE $2 AND status <> 'completed'`,
-		cfg.Source, "evt_"+run+"_%").Scan(&rep.StillProcessing); err != nil {
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem.processed_events WHERE key LIKE $1 AND status <> 'completed'`,
+		"%"+run+"%").Scan(&rep.StillProcessing); err != nil {
 		return rep, err
 	}
 	rep.Checks = []Check{
-		{"every event's work ran exactly once", rep.Acquired == int64(cfg.Events), fmt.Sprintf("%d runs that stuck for %d events", rep.Acquired, cfg.Events)},
-		{"one payment per invoice", rep.Payments == cfg.Events, fmt.Sprintf("%d payments", rep.Payments)},
-		{"one email per event, none twice", rep.EmailsSent == cfg.Events && rep.DuplicateEmails == 0, fmt.Sprintf("%d sent, %d duplicates", rep.EmailsSent, rep.DuplicateEmails)},
+		{"one payment per invoice", rep.Payments == cfg.Events, fmt.Sprintf("%d payments for %d events", rep.Payments, cfg.Events)},
+		{"one email per event, none twice", rep.EmailsSent == cfg.Events && rep.DuplicateEmails == 0,
+			fmt.Sprintf("%d sent, %d duplicates", rep.EmailsSent, rep.DuplicateEmails)},
 		{"customer balances are exact", rep.BalancesOK, fmt.Sprintf("%d customers", len(want))},
 		{"no key left in processing", rep.StillProcessing == 0, fmt.Sprintf("%d left", rep.StillProcessing)},
 	}
+	if cfg.CrossMonth != nil {
+		var month time.Time
+		var attempts int
+		err := pool.QueryRow(ctx, `SELECT first_seen_month, attempts FROM idem.processed_events WHERE source = 'stripe' AND key = $1`, events[0].id).Scan(&month, &attempts)
+		ok := err == nil && month.Month() != time.Now().UTC().Month()
+		rep.CrossMonth = fmt.Sprintf("key in the %s partition (%d attempt(s), all last month), %d redeliveries this month replayed",
+			month.Format("2006-01"), attempts, cfg.Deliveries)
+		rep.Checks = append(rep.Checks, Check{"a key first seen last month is recognized this month", ok, rep.CrossMonth})
+	}
 	return rep, nil
 }
+
+// statusRecorder is a minimal ResponseWriter for the in-process delivery.
+type statusRecorder struct {
+	header http.Header
+	code   int
+}
+
+func (s *statusRecorder) Header() http.Header         { return s.header }
+func (s *statusRecorder) WriteHeader(c int)           { s.code = c }
+func (s *statusRecorder) Write(p []byte) (int, error) { return len(p), nil }

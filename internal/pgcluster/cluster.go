@@ -215,3 +215,16 @@ func freePort() (int, error) {
 	defer l.Close()
 	return l.Addr().(*net.TCPAddr).Port, nil
 }
+
+// ClockParam is the run-time parameter that ClockOverrideSQL's idem.clock()
+// honours: SET idem.test_now = '2026-10-31 23:59:59Z'.
+const ClockParam = "idem.test_now"
+
+// ClockOverrideSQL replaces idem.clock() so that a session can pretend to
+// live at another time. Only for throwaway databases (tests, the demo):
+// production databases keep the plain clock_timestamp() version.
+const ClockOverrideSQL = `
+CREATE OR REPLACE FUNCTION idem.clock() RETURNS timestamptz
+    LANGUAGE sql VOLATILE PARALLEL SAFE
+AS $$ SELECT coalesce(nullif(pg_catalog.current_setting('idem.test_now', true), '')::timestamptz,
+                      pg_catalog.clock_timestamp()) $$`

@@ -226,22 +226,14 @@ func buildTemplate() (string, error) {
 	if _, err := migrate.Up(ctx, db); err != nil {
 		return "", fmt.Errorf("migrate up: %w", err)
 	}
-	if _, err := db.ExecContext(ctx, testClockSQL); err != nil {
+	if _, err := db.ExecContext(ctx, pgcluster.ClockOverrideSQL); err != nil {
 		return "", fmt.Errorf("install test clock: %w", err)
 	}
 	return name, db.Close()
 }
 
-// testClockSQL replaces idem.clock() in test databases so that a session can
-// pretend to live at another time: SET idem.test_now = '2026-10-31 23:59:59Z'.
-const testClockSQL = `
-CREATE OR REPLACE FUNCTION idem.clock() RETURNS timestamptz
-    LANGUAGE sql VOLATILE PARALLEL SAFE
-AS $$ SELECT coalesce(nullif(pg_catalog.current_setting('idem.test_now', true), '')::timestamptz,
-                      pg_catalog.clock_timestamp()) $$`
-
 // ClockParam is the run-time parameter the test clock reads.
-const ClockParam = "idem.test_now"
+const ClockParam = pgcluster.ClockParam
 
 func execSQL(ctx context.Context, url, sql string) error {
 	ctx, cancel := context.WithTimeout(ctx, 60*time.Second)
