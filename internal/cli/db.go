@@ -59,11 +59,15 @@ func (g *globals) urlSource(env Env) string {
 }
 
 // connect opens a pool and proves the database answers, mapping failures
-// to exit codes with a one-line reason.
-func (g *globals) connect(ctx context.Context, env Env, maxConns int32) (*pgxpool.Pool, error) {
+// to exit codes with a one-line reason. tweak, when given, adjusts the
+// configuration first.
+func (g *globals) connect(ctx context.Context, env Env, maxConns int32, tweak ...func(*pgxpool.Config)) (*pgxpool.Pool, error) {
 	cfg, err := g.poolConfig(env)
 	if err != nil {
 		return nil, err
+	}
+	for _, t := range tweak {
+		t(cfg)
 	}
 	if maxConns > 0 {
 		cfg.MaxConns = maxConns

@@ -21,13 +21,15 @@ func init() {
 	register(command{name: "demo", summary: "the quick start: a webhook storm against a throwaway (or given) Postgres, with checks", run: runDemo})
 }
 
+const demoSchema = "idem_demo"
+
 func runDemo(ctx context.Context, io IO, g *globals, args []string) error {
 	fs := newFlagSet("demo", io, g)
 	var cfg demo.Config
 	fs.IntVar(&cfg.Events, "events", 300, "distinct webhook events")
 	fs.IntVar(&cfg.Deliveries, "deliveries", 4, "concurrent deliveries of each event")
 	fs.IntVar(&cfg.Workers, "workers", 16, "concurrent handlers")
-	keep := fs.Bool("keep", false, "keep the receiver's payments table afterwards")
+	keep := fs.Bool("keep", false, "keep the receiver's tables (schema idem_demo) afterwards")
 	if err := fs.parse(args); err != nil {
 		return err
 	}
@@ -52,13 +54,20 @@ func runDemo(ctx context.Context, io IO, g *globals, args []string) error {
 		g.databaseURL = c.URL("postgres")
 		fmt.Fprintf(io.Out, "PostgreSQL is up (port %d, data in %s)\n", c.Port, c.Dir)
 	}
-	pool, err := g.connect(ctx, io.Env, int32(cfg.Workers)+4)
+	// The receiver's tables go in schema idem_demo, first on the demo's
+	// search_path, so an existing database's own tables are never touched.
+	pool, err := g.connect(ctx, io.Env, int32(cfg.Workers)+4, func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["search_path"] = demoSchema + ",public"
+	})
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
 	db := sqlDB(pool)
 	defer db.Close()
+	if _, err := pool.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+pgx.Identifier{demoSchema}.Sanitize()); err != nil {
+		return fmt.Errorf("create schema %s: %w", demoSchema, err)
+	}
 	res, err := migrate.Up(ctx, db)
 	if err != nil {
 		return fmt.Errorf("migrate up: %w", err)
@@ -88,8 +97,8 @@ func runDemo(ctx context.Context, io IO, g *globals, args []string) error {
 		rep.Print(io.Out)
 	}
 	if !*keep {
-		if _, derr := pool.Exec(context.WithoutCancel(ctx), "DROP TABLE IF EXISTS "+pgx.Identifier{"payments"}.Sanitize()); derr != nil {
-			log.LogAttrs(ctx, slog.LevelWarn, "could not drop the payments table", slog.Any("error", derr))
+		if _, derr := pool.Exec(context.WithoutCancel(ctx), "DROP SCHEMA IF EXISTS "+pgx.Identifier{demoSchema}.Sanitize()+" CASCADE"); derr != nil {
+			log.LogAttrs(ctx, slog.LevelWarn, "could not drop the demo schema", slog.Any("error", derr))
 		}
 	}
 	if err != nil {

@@ -18,6 +18,19 @@ func TestDemo(t *testing.T) {
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
+			if url := env["DATABASE_URL"]; url != "" {
+				// An existing database with a payments table of its own.
+				pool := testdb.Pool(t, url, 1)
+				if _, err := pool.Exec(context.Background(), `CREATE TABLE payments (id int); INSERT INTO payments VALUES (42)`); err != nil {
+					t.Fatal(err)
+				}
+				defer func() {
+					var id int
+					if err := pool.QueryRow(context.Background(), `SELECT id FROM public.payments`).Scan(&id); err != nil || id != 42 {
+						t.Errorf("the demo touched the database's own payments table: %d %v", id, err)
+					}
+				}()
+			}
 			r := idemctl(t, context.Background(), env, "demo", "--events", "120", "--deliveries", "4")
 			if r.code != 0 || !strings.Contains(r.out, "\nall checks passed\n") {
 				t.Fatalf("demo: exit %d\n%s\n%s", r.code, r.out, r.errout)
