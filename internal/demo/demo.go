@@ -65,18 +65,18 @@ func (c *Config) defaults() {
 
 // Report is what happened.
 type Report struct {
-	Events, Deliveries   int
-	SenderRetries        int64
-	Statuses             map[int]int64
-	Replayed             int64
-	EmailsSent           int
-	DuplicateEmails      int
-	Payments             int
-	BalancesOK           bool
-	StillProcessing      int
-	CrossMonth           string // what happened to the event first seen last month
-	Elapsed              time.Duration
-	Checks               []Check
+	Events, Deliveries int
+	SenderRetries      int64
+	Statuses           map[int]int64
+	Replayed           int64
+	EmailsSent         int
+	DuplicateEmails    int
+	Payments           int
+	BalancesOK         bool
+	StillProcessing    int
+	CrossMonth         string // what happened to the event first seen last month
+	Elapsed            time.Duration
+	Checks             []Check
 }
 
 // Check is one assertion of the demo.
