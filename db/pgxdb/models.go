@@ -16,13 +16,13 @@ type IdemMaintenanceLock struct {
 }
 
 type IdemPolicy struct {
-	Source          string
-	Ttl             pgtype.Interval
-	Lease           pgtype.Interval
-	MaxAttempts     *int32
-	CountDuplicates bool
-	Description     *string
-	UpdatedAt       pgtype.Timestamptz
+	Source            string
+	Ttl               pgtype.Interval
+	Lease             pgtype.Interval
+	MaxAttempts       *int32
+	DuplicateSampling int32
+	Description       *string
+	UpdatedAt         pgtype.Timestamptz
 }
 
 type IdemProcessedEvent struct {

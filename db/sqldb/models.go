@@ -19,13 +19,13 @@ type IdemMaintenanceLock struct {
 }
 
 type IdemPolicy struct {
-	Source          string
-	Ttl             int64
-	Lease           int64
-	MaxAttempts     sql.NullInt32
-	CountDuplicates bool
-	Description     sql.NullString
-	UpdatedAt       sql.NullTime
+	Source            string
+	Ttl               int64
+	Lease             int64
+	MaxAttempts       sql.NullInt32
+	DuplicateSampling int32
+	Description       sql.NullString
+	UpdatedAt         sql.NullTime
 }
 
 type IdemProcessedEvent struct {

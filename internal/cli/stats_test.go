@@ -17,6 +17,10 @@ func TestStats(t *testing.T) {
 	url := testdb.New(t)
 	pool := testdb.Pool(t, url, 4)
 	c := idem.New(pool, nil)
+	// Count every duplicate for the exact numbers below (default: 1 in 8).
+	if _, err := pool.Exec(ctx, `INSERT INTO idem.policies (source, ttl, lease, duplicate_sampling) VALUES ('stripe', '30 days', '2 minutes', 1)`); err != nil {
+		t.Fatal(err)
+	}
 	for i := range 10 {
 		key := string(rune('a' + i))
 		_, _ = c.Do(ctx, "stripe", key, func(context.Context) (any, error) { return 1, nil })

@@ -43,10 +43,13 @@ CREATE TABLE idem.policies (
     ttl          interval NOT NULL CONSTRAINT policies_ttl_check CHECK (idem.valid_ttl(ttl)),
     lease        interval NOT NULL CONSTRAINT policies_lease_check CHECK (idem.valid_lease(lease)),
     max_attempts integer CONSTRAINT policies_max_attempts_check CHECK (max_attempts IS NULL OR max_attempts >= 1),
-    -- Count duplicate deliveries per key (processed_events.duplicates): one
-    -- HOT update per duplicate, skipped when the row is locked and in
-    -- SERIALIZABLE transactions, so the count is a lower bound.
-    count_duplicates boolean NOT NULL DEFAULT true,
+    -- Duplicate counting (processed_events.duplicates, for stats): one
+    -- duplicate in duplicate_sampling is counted, as duplicate_sampling, so
+    -- the duplicate path writes (a row update and its WAL) only that often.
+    -- 1 counts every duplicate, 0 none. Counting never waits for a locked
+    -- row and is skipped in SERIALIZABLE transactions: an estimate.
+    duplicate_sampling integer NOT NULL DEFAULT 8
+                 CONSTRAINT policies_duplicate_sampling_check CHECK (duplicate_sampling BETWEEN 0 AND 1000000),
     description  text,
     updated_at   timestamptz NOT NULL DEFAULT now(),
     CONSTRAINT policies_lease_within_ttl CHECK (lease <= ttl)
@@ -167,9 +170,11 @@ SELECT idem.create_partition((date_trunc('month', now() AT TIME ZONE 'UTC') + in
 --   22023 invalid_parameter_value      empty/blank source or key, bad ttl/lease
 --   22001 string_data_right_truncation source > 64 bytes, key > 512 bytes,
 --                                      fingerprint > 512 bytes, event type > 256 bytes
+-- It has no SET search_path of its own (a SET costs a GUC save and restore
+-- on every call): it runs as the caller and only ever inside the protocol
+-- functions, whose search_path is pinned.
 CREATE FUNCTION idem.check_key(fn text, source text, key text) RETURNS void
     LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
-    SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     IF source IS NULL THEN
@@ -208,58 +213,65 @@ CREATE FUNCTION idem.claim(
     fingerprint text     DEFAULT NULL,
     ttl         interval DEFAULT NULL,
     lease       interval DEFAULT NULL,
-    event_type  text     DEFAULT NULL)
-RETURNS TABLE (
-    outcome          text,
-    token            bigint,
-    attempt          integer,
-    lease_expires_at timestamptz,
-    result           jsonb,
-    error            text,
-    first_seen       timestamptz,
-    expires_at       timestamptz)
+    event_type  text     DEFAULT NULL,
+    OUT outcome          text,
+    OUT token            bigint,
+    OUT attempt          integer,
+    OUT lease_expires_at timestamptz,
+    OUT result           jsonb,
+    OUT error            text,
+    OUT first_seen       timestamptz,
+    OUT expires_at       timestamptz)
     LANGUAGE plpgsql VOLATILE
     SECURITY DEFINER
     SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
 DECLARE
+    v_iso    text := current_setting('transaction_isolation');
     v_now    timestamptz;
     v_ttl    interval;
     v_lease  interval;
     v_max    integer;
-    v_count  boolean;
-    v_token  bigint;
-    v_answer text;
+    v_sample integer;
     r        idem.processed_events%ROWTYPE;
     v_found  boolean;
 BEGIN
-    IF current_setting('transaction_isolation') = 'repeatable read' THEN
+    IF v_iso = 'repeatable read' THEN
         RAISE EXCEPTION USING ERRCODE = '0A000',
             MESSAGE = 'idem.claim: REPEATABLE READ is not supported',
             DETAIL = 'A repeatable-read snapshot cannot see a claim of the same key committed in another monthly partition after the snapshot was taken, so a duplicate could run.',
             HINT = 'Claim in READ COMMITTED (the default) or SERIALIZABLE.';
     END IF;
-    PERFORM idem.check_key('idem.claim', claim.source, claim.key);
-    IF octet_length(claim.fingerprint) > 512 THEN
-        RAISE EXCEPTION USING ERRCODE = '22001', MESSAGE = 'idem.claim: fingerprint is longer than 512 bytes',
-            HINT = 'Pass a hash of the request, not the request.';
-    END IF;
-    IF octet_length(claim.event_type) > 256 THEN
-        RAISE EXCEPTION USING ERRCODE = '22001', MESSAGE = 'idem.claim: event_type is longer than 256 bytes';
-    END IF;
-    IF claim.ttl IS NOT NULL AND NOT idem.valid_ttl(claim.ttl) THEN
-        RAISE EXCEPTION USING ERRCODE = '22023',
-            MESSAGE = format('idem.claim: ttl %s is out of range', claim.ttl),
-            HINT = 'ttl must be between 1 minute and 10 years.';
-    END IF;
-    IF claim.lease IS NOT NULL AND NOT idem.valid_lease(claim.lease) THEN
-        RAISE EXCEPTION USING ERRCODE = '22023',
-            MESSAGE = format('idem.claim: lease %s is out of range', claim.lease),
-            HINT = 'lease must be between 1 second and 7 days.';
+    -- All input checks as one expression (cheap); only bad input takes the
+    -- slow path that names the problem.
+    IF claim.source IS NULL OR claim.key IS NULL
+       OR octet_length(claim.source) NOT BETWEEN 1 AND 64 OR octet_length(claim.key) NOT BETWEEN 1 AND 512
+       OR btrim(claim.source, E' \t\r\n') = '' OR btrim(claim.key, E' \t\r\n') = ''
+       OR octet_length(claim.fingerprint) > 512 OR octet_length(claim.event_type) > 256
+       OR (claim.ttl IS NOT NULL AND NOT (claim.ttl >= interval '1 minute' AND claim.ttl <= interval '10 years'))
+       OR (claim.lease IS NOT NULL AND NOT (claim.lease >= interval '1 second' AND claim.lease <= interval '7 days')) THEN
+        PERFORM idem.check_key('idem.claim', claim.source, claim.key);
+        IF octet_length(claim.fingerprint) > 512 THEN
+            RAISE EXCEPTION USING ERRCODE = '22001', MESSAGE = 'idem.claim: fingerprint is longer than 512 bytes',
+                HINT = 'Pass a hash of the request, not the request.';
+        END IF;
+        IF octet_length(claim.event_type) > 256 THEN
+            RAISE EXCEPTION USING ERRCODE = '22001', MESSAGE = 'idem.claim: event_type is longer than 256 bytes';
+        END IF;
+        IF claim.ttl IS NOT NULL AND NOT idem.valid_ttl(claim.ttl) THEN
+            RAISE EXCEPTION USING ERRCODE = '22023',
+                MESSAGE = format('idem.claim: ttl %s is out of range', claim.ttl),
+                HINT = 'ttl must be between 1 minute and 10 years.';
+        END IF;
+        IF claim.lease IS NOT NULL AND NOT idem.valid_lease(claim.lease) THEN
+            RAISE EXCEPTION USING ERRCODE = '22023',
+                MESSAGE = format('idem.claim: lease %s is out of range', claim.lease),
+                HINT = 'lease must be between 1 second and 7 days.';
+        END IF;
     END IF;
 
-    SELECT p.ttl, p.lease, p.max_attempts, p.count_duplicates INTO v_ttl, v_lease, v_max, v_count
+    SELECT p.ttl, p.lease, p.max_attempts, p.duplicate_sampling INTO v_ttl, v_lease, v_max, v_sample
       FROM idem.policies p
      WHERE p.source = claim.source OR p.source = '*'
      ORDER BY p.source = '*'
@@ -269,7 +281,6 @@ BEGIN
             MESSAGE = format('idem.claim: no policy for source %L and no default policy', claim.source),
             HINT = 'Insert a row for the source, or the default row with source ''*'', into idem.policies.';
     END IF;
-    v_count := v_count AND current_setting('transaction_isolation') <> 'serializable';
     v_ttl := coalesce(claim.ttl, v_ttl);
     v_lease := coalesce(claim.lease, v_lease);
     IF v_lease > v_ttl THEN
@@ -297,18 +308,19 @@ BEGIN
         END IF;
 
         IF v_found AND r.expires_at > v_now THEN
-            v_answer := CASE
+            outcome := CASE
                 WHEN claim.fingerprint IS NOT NULL AND r.fingerprint IS NOT NULL
                      AND r.fingerprint <> claim.fingerprint THEN 'mismatch'
                 WHEN r.status = 'completed' THEN 'completed'
                 WHEN r.status = 'failed' AND NOT r.retryable THEN 'failed'
                 WHEN r.status = 'processing' AND r.lease_expires_at > v_now THEN 'in_progress'
             END;
-            IF v_answer IS NOT NULL THEN
-                IF v_count THEN
-                    -- Count the duplicate without ever waiting for the row.
+            IF outcome IS NOT NULL THEN
+                -- A duplicate. Count one in v_sample, as v_sample, without
+                -- ever waiting for the row.
+                IF v_sample > 0 AND v_iso <> 'serializable' AND (v_sample = 1 OR random() * v_sample < 1) THEN
                     UPDATE idem.processed_events e
-                       SET duplicates = e.duplicates + 1, last_seen_at = v_now
+                       SET duplicates = e.duplicates + v_sample, last_seen_at = v_now
                       FROM (SELECT l.first_seen_month FROM idem.processed_events l
                              WHERE l.source = r.source AND l.key = r.key
                                AND l.first_seen_month = r.first_seen_month
@@ -316,12 +328,7 @@ BEGIN
                      WHERE e.source = r.source AND e.key = r.key
                        AND e.first_seen_month = l.first_seen_month;
                 END IF;
-                RETURN QUERY SELECT v_answer, NULL::bigint, r.attempts,
-                       CASE WHEN v_answer IN ('in_progress', 'mismatch') THEN r.lease_expires_at END,
-                       CASE WHEN v_answer = 'completed' THEN r.result END,
-                       CASE WHEN v_answer = 'failed' THEN r.last_error END,
-                       r.first_seen, r.expires_at;
-                RETURN;
+                EXIT;
             END IF;
             -- A lost lease or a retryable failure: re-acquire (pass 2 only).
             IF pass = 2 THEN
@@ -331,16 +338,14 @@ BEGIN
                            last_error = format('idem: gave up after %s attempts; last error: %s',
                                                r.attempts, coalesce(r.last_error, 'lease expired'))
                      WHERE e.source = r.source AND e.key = r.key AND e.first_seen_month = r.first_seen_month
-                    RETURNING e.last_error INTO r.last_error;
-                    RETURN QUERY SELECT 'failed'::text, NULL::bigint, r.attempts, NULL::timestamptz,
-                                        NULL::jsonb, r.last_error, r.first_seen, r.expires_at;
-                    RETURN;
+                    RETURNING e.* INTO r;
+                    outcome := 'failed';
+                    EXIT;
                 END IF;
-                v_token := nextval('idem.token_seq');
                 UPDATE idem.processed_events e
                    SET status = 'processing',
                        attempts = e.attempts + 1,
-                       token = v_token,
+                       token = nextval('idem.token_seq'),
                        lease_expires_at = v_now + v_lease,
                        retryable = NULL,
                        updated_at = v_now,
@@ -349,9 +354,8 @@ BEGIN
                        event_type = coalesce(e.event_type, claim.event_type)
                  WHERE e.source = r.source AND e.key = r.key AND e.first_seen_month = r.first_seen_month
                 RETURNING e.* INTO r;
-                RETURN QUERY SELECT 'acquired'::text, r.token, r.attempts, r.lease_expires_at,
-                                    NULL::jsonb, r.last_error, r.first_seen, r.expires_at;
-                RETURN;
+                outcome := 'acquired';
+                EXIT;
             END IF;
         ELSIF pass = 2 THEN
             IF v_found THEN
@@ -359,12 +363,11 @@ BEGIN
                 DELETE FROM idem.processed_events e
                  WHERE e.source = r.source AND e.key = r.key AND e.first_seen_month = r.first_seen_month;
             END IF;
-            v_token := nextval('idem.token_seq');
             INSERT INTO idem.processed_events AS e
                    (source, key, first_seen_month, event_type, status, attempts, token,
                     lease_expires_at, fingerprint, first_seen, updated_at, expires_at)
             VALUES (claim.source, claim.key, date_trunc('month', v_now, 'UTC')::date, claim.event_type,
-                    'processing', 1, v_token, v_now + v_lease, claim.fingerprint, v_now, v_now,
+                    'processing', 1, nextval('idem.token_seq'), v_now + v_lease, claim.fingerprint, v_now, v_now,
                     v_now + greatest(v_ttl, v_lease))
             ON CONFLICT DO NOTHING
             RETURNING e.* INTO r;
@@ -375,11 +378,17 @@ BEGIN
                     MESSAGE = 'idem.claim: concurrent claim of the same key',
                     HINT = 'Retry the transaction.';
             END IF;
-            RETURN QUERY SELECT 'acquired'::text, r.token, r.attempts, r.lease_expires_at,
-                                NULL::jsonb, NULL::text, r.first_seen, r.expires_at;
-            RETURN;
+            outcome := 'acquired';
         END IF;
     END LOOP;
+
+    token            := CASE WHEN outcome = 'acquired' THEN r.token END;
+    attempt          := r.attempts;
+    lease_expires_at := CASE WHEN outcome IN ('acquired', 'in_progress', 'mismatch') THEN r.lease_expires_at END;
+    result           := CASE WHEN outcome = 'completed' THEN r.result END;
+    error            := CASE WHEN outcome IN ('failed', 'acquired') THEN r.last_error END;
+    first_seen       := r.first_seen;
+    expires_at       := r.expires_at;
 END
 $$;
 -- +goose StatementEnd

@@ -1,0 +1,228 @@
+// Command bench measures idem against raw PostgreSQL baselines in the same
+// run and prints a markdown table of ratios (docs/performance.md explains
+// every row).
+//
+//	go run ./bench                 # small sizes, a few minutes on 2 cores
+//	go run ./bench -full           # the sizes of docs/performance.md
+//	go run ./bench -database-url postgres://...   # an existing database
+//
+// A and B of each comparison are interleaved (A B, B A, ...) for -rounds
+// rounds on the same server, and the table reports the median of the
+// per-round ratios and their spread (min..max), because shared machines are
+// noisy. Nothing here asserts a target: the targets are printed next to the
+// numbers.
+package main
+
+import (
+	"context"
+	"database/sql"
+	"flag"
+	"fmt"
+	"log"
+	"os"
+	"os/signal"
+	"runtime"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+
+	"github.com/idemkit/idem/internal/pgcluster"
+	"github.com/idemkit/idem/migrate"
+)
+
+type options struct {
+	databaseURL string
+	full        bool
+	rounds      int
+	duration    time.Duration
+	clients     []int
+	out         string
+	only        string
+	// sizes
+	backlog     int // expired rows prune works through during the latency test
+	retireRows  int // rows in the month retired by rotation vs DELETE+VACUUM
+	scaleSmall  int
+	scaleLarge  int
+	skipPgbench bool
+}
+
+func main() {
+	var o options
+	flag.StringVar(&o.databaseURL, "database-url", os.Getenv("IDEM_BENCH_DATABASE_URL"), "run against this database (default: a throwaway cluster)")
+	flag.BoolVar(&o.full, "full", false, "full sizes: 1M-row retirement, 1M vs 20M rows, longer rounds")
+	flag.IntVar(&o.rounds, "rounds", 0, "interleaved rounds per comparison (default 3, full 5)")
+	flag.DurationVar(&o.duration, "duration", 0, "length of one side of one round (default 2s, full 5s)")
+	flag.StringVar(&o.out, "out", "bench/results.md", "write the markdown table here too")
+	flag.StringVar(&o.only, "only", "", "run only the sections whose name contains this (claim, dup, lib, maint, retention, scale, pgbench)")
+	flag.BoolVar(&o.skipPgbench, "skip-pgbench", false, "skip the pgbench section")
+	flag.Parse()
+	o.defaults()
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+	if err := run(ctx, o); err != nil {
+		log.Fatalf("bench: %v", err)
+	}
+}
+
+func (o *options) defaults() {
+	if o.full {
+		o.clients = []int{8, 32}
+		o.backlog, o.retireRows, o.scaleSmall, o.scaleLarge = 2_000_000, 1_000_000, 1_000_000, 20_000_000
+		if o.rounds == 0 {
+			o.rounds = 5
+		}
+		if o.duration == 0 {
+			o.duration = 5 * time.Second
+		}
+	} else {
+		o.clients = []int{8, 32}
+		o.backlog, o.retireRows, o.scaleSmall, o.scaleLarge = 200_000, 200_000, 100_000, 1_000_000
+		if o.rounds == 0 {
+			o.rounds = 3
+		}
+		if o.duration == 0 {
+			o.duration = 2 * time.Second
+		}
+	}
+}
+
+// env is the database under test.
+type env struct {
+	url     string
+	pool    *pgxpool.Pool
+	cluster *pgcluster.Cluster
+	binDir  string
+}
+
+func setup(ctx context.Context, o options) (*env, error) {
+	e := &env{url: o.databaseURL}
+	if e.url == "" {
+		c, err := pgcluster.Start(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("start a throwaway PostgreSQL (%s, or pass -database-url): %w", pgcluster.InstallHint, err)
+		}
+		e.cluster, e.url, e.binDir = c, c.URL("postgres"), c.BinDir
+	} else if d, err := pgcluster.FindBinDir(); err == nil {
+		e.binDir = d
+	}
+	cfg, err := pgxpool.ParseConfig(e.url)
+	if err != nil {
+		return nil, err
+	}
+	cfg.MaxConns = 80
+	if e.pool, err = pgxpool.NewWithConfig(ctx, cfg); err != nil {
+		return nil, err
+	}
+	db := stdlib.OpenDBFromPool(e.pool)
+	defer db.Close()
+	if _, err := migrate.Up(ctx, db); err != nil {
+		return nil, fmt.Errorf("migrate: %w", err)
+	}
+	if err := execFile(ctx, db, "bench/pgbench/setup.sql"); err != nil {
+		return nil, err
+	}
+	return e, nil
+}
+
+func execFile(ctx context.Context, db *sql.DB, path string) error {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return fmt.Errorf("%w (run the benchmark from the repository root)", err)
+	}
+	_, err = db.ExecContext(ctx, string(b))
+	return err
+}
+
+func (e *env) close() {
+	e.pool.Close()
+	if e.cluster != nil {
+		e.cluster.Stop()
+	}
+}
+
+func run(ctx context.Context, o options) error {
+	start := time.Now()
+	e, err := setup(ctx, o)
+	if err != nil {
+		return err
+	}
+	defer e.close()
+	var version string
+	_ = e.pool.QueryRow(ctx, `SELECT version()`).Scan(&version)
+	settings := serverSettings(ctx, e.pool)
+	fmt.Fprintf(os.Stderr, "bench: %s\n", version)
+
+	t := &table{}
+	sections := []struct {
+		name string
+		fn   func(context.Context, *env, options, *table) error
+	}{
+		{"claim", benchClaimNew},
+		{"dup", benchDuplicates},
+		{"lib", benchLibrary},
+		{"maint", benchMaintenance},
+		{"retention", benchRetention},
+		{"scale", benchScale},
+		{"pgbench", benchPgbench},
+	}
+	for _, s := range sections {
+		if o.only != "" && !strings.Contains(s.name, o.only) {
+			continue
+		}
+		if s.name == "pgbench" && o.skipPgbench {
+			continue
+		}
+		fmt.Fprintf(os.Stderr, "bench: %s...\n", s.name)
+		if err := s.fn(ctx, e, o, t); err != nil {
+			return fmt.Errorf("%s: %w", s.name, err)
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+	}
+
+	var w strings.Builder
+	fmt.Fprintf(&w, "# idem benchmark results\n\n")
+	fmt.Fprintf(&w, "- when: %s, took %s\n", time.Now().UTC().Format(time.RFC3339), time.Since(start).Round(time.Second))
+	fmt.Fprintf(&w, "- machine: %d CPUs (%s/%s), Go %s\n", runtime.NumCPU(), runtime.GOOS, runtime.GOARCH, runtime.Version())
+	fmt.Fprintf(&w, "- server: %s\n", version)
+	fmt.Fprintf(&w, "- settings: %s\n", settings)
+	fmt.Fprintf(&w, "- sizes: %s; %d interleaved rounds of %s per side\n\n", sizes(o), o.rounds, o.duration)
+	t.write(&w)
+	fmt.Print(w.String())
+	if o.out != "" {
+		if err := os.WriteFile(o.out, []byte(w.String()), 0o644); err != nil {
+			return err
+		}
+		fmt.Fprintf(os.Stderr, "bench: wrote %s\n", o.out)
+	}
+	return nil
+}
+
+func sizes(o options) string {
+	if o.full {
+		return "full"
+	}
+	return fmt.Sprintf("small (backlog %d, retired month %d rows, scale %d vs %d rows)", o.backlog, o.retireRows, o.scaleSmall, o.scaleLarge)
+}
+
+func serverSettings(ctx context.Context, pool *pgxpool.Pool) string {
+	var parts []string
+	for _, name := range []string{"fsync", "synchronous_commit", "shared_buffers", "max_connections"} {
+		var v string
+		if err := pool.QueryRow(ctx, "SELECT current_setting($1)", name).Scan(&v); err == nil {
+			parts = append(parts, name+"="+v)
+		}
+	}
+	return strings.Join(parts, ", ")
+}
+
+func migrateURL(ctx context.Context, p *pgxpool.Pool) error {
+	db := stdlib.OpenDBFromPool(p)
+	defer db.Close()
+	_, err := migrate.Up(ctx, db)
+	return err
+}
