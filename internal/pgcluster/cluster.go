@@ -95,7 +95,7 @@ func Start(ctx context.Context) (*Cluster, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := &Cluster{BinDir: bin, exited: make(chan struct{})}
+	c := &Cluster{BinDir: bin}
 	if os.Geteuid() == 0 {
 		u, err := user.Lookup("postgres")
 		if err != nil {
@@ -128,38 +128,9 @@ func Start(ctx context.Context) (*Cluster, error) {
 		c.Remove()
 		return nil, fmt.Errorf("initdb: %v\n%s", err, out)
 	}
-	logf, err := os.Create(filepath.Join(c.Dir, "postgres.log"))
-	if err != nil {
+	if err := c.startServer(ctx); err != nil {
 		c.Remove()
 		return nil, err
-	}
-	defer logf.Close()
-	c.cmd = exec.Command(filepath.Join(bin, "postgres"),
-		"-D", data,
-		"-p", strconv.Itoa(c.Port),
-		"-c", "listen_addresses=127.0.0.1",
-		"-c", "unix_socket_directories="+c.Dir,
-		// A throwaway cluster: durability off, room for racing tests.
-		"-c", "fsync=off",
-		"-c", "synchronous_commit=off",
-		"-c", "full_page_writes=off",
-		"-c", "max_connections=400",
-		"-c", "max_locks_per_transaction=256",
-		"-c", "shared_buffers=256MB",
-		"-c", "max_pred_locks_per_transaction=256",
-		"-c", "log_min_messages=warning",
-	)
-	c.cmd.Stdout, c.cmd.Stderr = logf, logf
-	c.cmd.SysProcAttr = &syscall.SysProcAttr{Credential: c.cred, Pdeathsig: syscall.SIGQUIT, Setpgid: true}
-	if err := c.cmd.Start(); err != nil {
-		c.Remove()
-		return nil, fmt.Errorf("start postgres: %w", err)
-	}
-	go func() { c.waitErr = c.cmd.Wait(); close(c.exited) }()
-	if err := c.waitReady(ctx, 60*time.Second); err != nil {
-		log, _ := os.ReadFile(filepath.Join(c.Dir, "postgres.log"))
-		c.Stop()
-		return nil, fmt.Errorf("%w\npostgres log:\n%s", err, log)
 	}
 	return c, nil
 }
@@ -186,17 +157,72 @@ func (c *Cluster) waitReady(ctx context.Context, timeout time.Duration) error {
 	}
 }
 
+// startServer runs postgres on the initialized data directory and waits
+// until it accepts connections.
+func (c *Cluster) startServer(ctx context.Context) error {
+	logf, err := os.OpenFile(filepath.Join(c.Dir, "postgres.log"), os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
+	if err != nil {
+		return err
+	}
+	defer logf.Close()
+	c.exited = make(chan struct{})
+	c.cmd = exec.Command(filepath.Join(c.BinDir, "postgres"),
+		"-D", filepath.Join(c.Dir, "data"),
+		"-p", strconv.Itoa(c.Port),
+		"-c", "listen_addresses=127.0.0.1",
+		"-c", "unix_socket_directories="+c.Dir,
+		// A throwaway cluster: durability off, room for racing tests.
+		"-c", "fsync=off",
+		"-c", "synchronous_commit=off",
+		"-c", "full_page_writes=off",
+		"-c", "max_connections=400",
+		"-c", "max_locks_per_transaction=256",
+		"-c", "shared_buffers=256MB",
+		"-c", "max_pred_locks_per_transaction=256",
+		"-c", "log_min_messages=warning",
+	)
+	c.cmd.Stdout, c.cmd.Stderr = logf, logf
+	c.cmd.SysProcAttr = &syscall.SysProcAttr{Credential: c.cred, Pdeathsig: syscall.SIGQUIT, Setpgid: true}
+	if err := c.cmd.Start(); err != nil {
+		return fmt.Errorf("start postgres: %w", err)
+	}
+	exited := c.exited
+	cmd := c.cmd
+	go func() { c.waitErr = cmd.Wait(); close(exited) }()
+	if err := c.waitReady(ctx, 60*time.Second); err != nil {
+		log, _ := os.ReadFile(filepath.Join(c.Dir, "postgres.log"))
+		c.stopServer()
+		return fmt.Errorf("%w\npostgres log:\n%s", err, log)
+	}
+	return nil
+}
+
+// stopServer shuts the server down (fast shutdown: open transactions are
+// rolled back, connections dropped) and waits for it to exit.
+func (c *Cluster) stopServer() {
+	if c.cmd == nil || c.cmd.Process == nil {
+		return
+	}
+	_ = c.cmd.Process.Signal(syscall.SIGINT)
+	select {
+	case <-c.exited:
+	case <-time.After(30 * time.Second):
+		_ = c.cmd.Process.Kill()
+		<-c.exited
+	}
+	c.cmd = nil
+}
+
+// Restart stops the server with a fast shutdown and starts it again on
+// the same data directory and port (the reliability tests' server restart).
+func (c *Cluster) Restart(ctx context.Context) error {
+	c.stopServer()
+	return c.startServer(ctx)
+}
+
 // Stop shuts the server down (fast shutdown) and removes its directory.
 func (c *Cluster) Stop() {
-	if c.cmd != nil && c.cmd.Process != nil {
-		_ = c.cmd.Process.Signal(syscall.SIGINT)
-		select {
-		case <-c.exited:
-		case <-time.After(30 * time.Second):
-			_ = c.cmd.Process.Kill()
-			<-c.exited
-		}
-	}
+	c.stopServer()
 	c.Remove()
 }
 

@@ -127,6 +127,7 @@ AS $$ SELECT 'processed_events_p' || pg_catalog.to_char(month, 'YYYY_MM') $$;
 -- milliseconds this takes. Callers should SET lock_timeout.
 CREATE FUNCTION idem.create_partition(p_month date) RETURNS text
     LANGUAGE plpgsql
+    SECURITY DEFINER
     SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE

@@ -1,6 +1,12 @@
 -- idem maintenance: PgBouncer-safe maintenance locks, batched prune and
 -- partition rotation, callable from idemctl (which adds retries, pacing and
 -- progress) and from SQL (pg_cron: CALL idem.prune(); CALL idem.rotate();).
+--
+-- The functions are SECURITY DEFINER with a pinned search_path: they run as
+-- idem's owner, so a maintainer role needs EXECUTE on them and nothing on
+-- the tables (idem.grant_maintainer). The two procedures cannot pin
+-- search_path (a procedure with a SET clause cannot COMMIT), so they run as
+-- their caller, qualify every object, and only call the functions above.
 
 -- +goose Up
 -- +goose StatementBegin
@@ -22,6 +28,7 @@ CREATE TABLE idem.maintenance_locks (
 CREATE FUNCTION idem.try_lock(name text, holder text, ttl interval)
 RETURNS TABLE (acquired boolean, lock_holder text, lock_expires_at timestamptz)
     LANGUAGE plpgsql VOLATILE
+    SECURITY DEFINER
     SET search_path = pg_catalog, pg_temp
 AS $$
 #variable_conflict use_column
@@ -55,6 +62,7 @@ $$;
 -- +goose StatementBegin
 CREATE FUNCTION idem.release_lock(name text, holder text) RETURNS boolean
     LANGUAGE sql VOLATILE
+    SECURITY DEFINER
     SET search_path = pg_catalog, pg_temp
 AS $$
     WITH d AS (DELETE FROM idem.maintenance_locks l
@@ -71,6 +79,7 @@ CREATE FUNCTION idem.partitions()
 RETURNS TABLE (partition regclass, is_default boolean, month_from date, month_to date,
                est_rows bigint, total_bytes bigint)
     LANGUAGE sql STABLE
+    SECURITY DEFINER
     SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT c.oid::regclass,
@@ -97,6 +106,7 @@ $$;
 CREATE FUNCTION idem.prune_batch(holder text, batch_size integer DEFAULT 5000)
 RETURNS bigint
     LANGUAGE plpgsql VOLATILE
+    SECURITY DEFINER
     SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
@@ -141,6 +151,7 @@ $$;
 -- How many rows prune would delete now (for --dry-run and check).
 CREATE FUNCTION idem.prunable_rows() RETURNS bigint
     LANGUAGE sql STABLE
+    SECURITY DEFINER
     SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT count(*) FROM idem.processed_events x
@@ -158,6 +169,7 @@ $$;
 CREATE FUNCTION idem.retire_partition(part regclass, keep_detached boolean DEFAULT false)
 RETURNS text
     LANGUAGE plpgsql VOLATILE
+    SECURITY DEFINER
     SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
@@ -200,6 +212,7 @@ $$;
 CREATE FUNCTION idem.months_to_create(premake integer)
 RETURNS SETOF date
     LANGUAGE sql STABLE
+    SECURITY DEFINER
     SET search_path = pg_catalog, pg_temp
 AS $$
     SELECT m::date FROM (

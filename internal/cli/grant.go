@@ -1,0 +1,45 @@
+package cli
+
+import (
+	"context"
+	"fmt"
+)
+
+func init() {
+	register(command{name: "grant", summary: "least privilege: --app ROLE (claim/complete/fail/extend only), --maintainer ROLE (prune, rotate, stats)", run: runGrant})
+}
+
+func runGrant(ctx context.Context, io IO, g *globals, args []string) error {
+	fs := newFlagSet("grant", io, g)
+	app := fs.String("app", "", "role that may only run the protocol functions")
+	maint := fs.String("maintainer", "", "role that may prune, rotate and read stats")
+	if err := fs.parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 || (*app == "" && *maint == "") {
+		return usageErr("grant needs --app ROLE and/or --maintainer ROLE")
+	}
+	if _, err := g.logger(io.Err); err != nil {
+		return err
+	}
+	pool, err := g.connect(ctx, io.Env, 1)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if err := requireMigrated(ctx, pool); err != nil {
+		return err
+	}
+	// The role name travels as a parameter and is resolved by ::regrole,
+	// which quotes it in the GRANTs; nothing is spliced into SQL here.
+	for _, x := range []struct{ fn, role string }{{"idem.grant_app", *app}, {"idem.grant_maintainer", *maint}} {
+		if x.role == "" {
+			continue
+		}
+		if _, err := pool.Exec(ctx, "SELECT "+x.fn+"($1::regrole)", x.role); err != nil {
+			return fmt.Errorf("%s(%q): %w", x.fn, x.role, err)
+		}
+		fmt.Fprintf(io.Out, "granted %s to %s\n", map[string]string{"idem.grant_app": "the application rights", "idem.grant_maintainer": "the maintainer rights"}[x.fn], x.role)
+	}
+	return nil
+}
