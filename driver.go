@@ -10,7 +10,6 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/sqlc-dev/pqtype"
 
 	"github.com/idemkit/idem/db/pgxdb"
 	"github.com/idemkit/idem/db/sqldb"
@@ -101,7 +100,15 @@ func (d pgxDriver) claim(ctx context.Context, a claimArgs) (*Claim, error) {
 }
 
 func (d pgxDriver) complete(ctx context.Context, source, key string, token int64, result []byte) (string, error) {
-	return d.q.Complete(ctx, pgxdb.CompleteParams{Source: source, Key: key, Token: token, Result: result})
+	// The result travels as text: a []byte parameter is bytea to PostgreSQL
+	// when pgx does not describe the statement first (exec and simple
+	// protocol modes, which PgBouncer setups use).
+	var text *string
+	if result != nil {
+		s := string(result)
+		text = &s
+	}
+	return d.q.Complete(ctx, pgxdb.CompleteParams{Source: source, Key: key, Token: token, Result: text})
 }
 
 func (d pgxDriver) fail(ctx context.Context, source, key string, token int64, msg string, retryable bool) (string, error) {
@@ -155,7 +162,7 @@ func (d sqlDriver) claim(ctx context.Context, a claimArgs) (*Claim, error) {
 
 func (d sqlDriver) complete(ctx context.Context, source, key string, token int64, result []byte) (string, error) {
 	return d.q.Complete(ctx, sqldb.CompleteParams{Source: source, Key: key, Token: token,
-		Result: pqtype.NullRawMessage{RawMessage: result, Valid: result != nil}})
+		Result: sql.NullString{String: string(result), Valid: result != nil}})
 }
 
 func (d sqlDriver) fail(ctx context.Context, source, key string, token int64, msg string, retryable bool) (string, error) {

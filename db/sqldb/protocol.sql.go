@@ -79,14 +79,14 @@ func (q *Queries) Claim(ctx context.Context, arg ClaimParams) (ClaimRow, error) 
 
 const complete = `-- name: Complete :one
 SELECT idem.complete($1::text, $2::text, $3::bigint,
-                     $4::jsonb)::text AS outcome
+                     $4::text::jsonb)::text AS outcome
 `
 
 type CompleteParams struct {
 	Source string
 	Key    string
 	Token  int64
-	Result pqtype.NullRawMessage
+	Result sql.NullString
 }
 
 func (q *Queries) Complete(ctx context.Context, arg CompleteParams) (string, error) {

@@ -21,7 +21,7 @@ SELECT c.outcome::text             AS outcome,
 
 -- name: Complete :one
 SELECT idem.complete(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.arg(token)::bigint,
-                     sqlc.narg(result)::jsonb)::text AS outcome;
+                     sqlc.narg(result)::text::jsonb)::text AS outcome;
 
 -- name: Fail :one
 SELECT idem.fail(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.arg(token)::bigint,
