@@ -4,7 +4,7 @@
 
 SQLC := go tool -modfile=tools/go.mod sqlc
 
-.PHONY: test vet generate sqlc-check fuzz build ci
+.PHONY: test vet generate sqlc-check fuzz soak bench build ci
 
 test:
 	go test ./...
@@ -27,6 +27,17 @@ sqlc-check:
 FUZZTIME ?= 10s
 fuzz:
 	go test -run '^$$' -fuzz '^FuzzHashKey$$' -fuzztime $(FUZZTIME) .
+	go test -run '^$$' -fuzz '^FuzzClaimInput$$' -fuzztime $(FUZZTIME) .
+	go test -run '^$$' -fuzz '^FuzzIdempotencyKeyHeader$$' -fuzztime $(FUZZTIME) ./idemhttp
+
+# The long reliability run (docs/reliability.md): 100,000 keys x 16, five
+# server restarts, 5,000 crashed keys.
+soak:
+	IDEM_SOAK=1 go test -count=1 -v -timeout 60m -run 'TestDuplicateStorm|TestCrashMidWork|TestServerRestart' ./internal/reliability
+
+# The benchmark suite (docs/performance.md); BENCHFLAGS=-full for the full sizes.
+bench:
+	go run ./bench $(BENCHFLAGS)
 
 ci:
 	CI=true bash .ci/run

@@ -73,3 +73,28 @@ func TestHelp(t *testing.T) {
 		t.Fatalf("prune -h: %+v", r)
 	}
 }
+
+// TestPasswordsNeverPrinted: a password in the database URL appears in no
+// output, log line or error of any command.
+func TestPasswordsNeverPrinted(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t) + " password=s3cr3t-hunter2" // the test server trusts, so any password works
+	for _, args := range [][]string{
+		{"stats", "--database-url", url},
+		{"stats", "--database-url", url, "--json"},
+		{"check", "--database-url", url, "--log-format", "json"},
+		{"prune", "--database-url", url, "--log-format", "json"},
+		{"partitions", "rotate", "--database-url", url, "--log-format", "json"},
+		{"partitions", "list", "--database-url", url},
+		{"migrate", "status", "--database-url", url},
+		{"stats", "--database-url", strings.Replace(url, "port=", "port=1 xport=", 1)},
+		{"stats", "--database-url", "postgres://u:s3cr3t-hunter2@127.0.0.1:1/x"},
+		{"stats", "--database-url", "postgres://u:s3cr3t-hunter2@[::1"},
+	} {
+		r := idemctl(t, ctx, nil, args...)
+		if strings.Contains(r.out+r.errout, "s3cr3t-hunter2") {
+			t.Errorf("%v printed the password:\n%s%s", args[:2], r.out, r.errout)
+		}
+	}
+}
