@@ -354,7 +354,7 @@ func benchScale(ctx context.Context, e *env, o options, t *table) error {
 				k := min(500_000, per-done)
 				if _, err := p.Exec(ctx, `
 					INSERT INTO idem.processed_events (source, key, first_seen_month, status, token, first_seen, updated_at, expires_at, result)
-					SELECT 'scale', md5(g::text || $1::text), $2::date, 'completed', g, $2::date + interval '1 day', now(), now() + interval '60 days', '{"ok": true}'
+					SELECT 'scale', md5(g::text || $1::int::text), $2::date, 'completed', g, $2::date + interval '1 day', now(), now() + interval '60 days', '{"ok": true}'
 					  FROM generate_series($3::int, $4::int) g`, part, m, done+1, done+k); err != nil {
 					return err
 				}
@@ -373,7 +373,7 @@ func benchScale(ctx context.Context, e *env, o options, t *table) error {
 	dup := func(p *pgxpool.Pool) op {
 		return func(ctx context.Context, _ int, _ int64) error {
 			var outcome string
-			return p.QueryRow(ctx, `SELECT outcome FROM idem.claim('scale', md5($1::text || '1'))`, 1+rand.IntN(o.scaleSmall/3)).Scan(&outcome)
+			return p.QueryRow(ctx, `SELECT outcome FROM idem.claim('scale', md5($1::int::text || '1'))`, 1+rand.IntN(o.scaleSmall/3)).Scan(&outcome)
 		}
 	}
 	c, err = interleave(ctx, o.rounds, 8, o.duration, dup(pools[1]), dup(pools[0]))
