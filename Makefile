@@ -30,7 +30,7 @@ fuzz:
 	go test -run '^$$' -fuzz '^FuzzClaimInput$$' -fuzztime $(FUZZTIME) .
 	go test -run '^$$' -fuzz '^FuzzIdempotencyKeyHeader$$' -fuzztime $(FUZZTIME) ./idemhttp
 
-# The long reliability run (docs/reliability.md): 100,000 keys x 16, five
+# The long reliability run (docs/reliability.md): 50,000 keys x 16, five
 # server restarts, 5,000 crashed keys.
 soak:
 	IDEM_SOAK=1 go test -count=1 -v -timeout 60m -run 'TestDuplicateStorm|TestCrashMidWork|TestServerRestart' ./internal/reliability

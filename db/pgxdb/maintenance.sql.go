@@ -44,6 +44,17 @@ func (q *Queries) DefaultPartitionRows(ctx context.Context) (int64, error) {
 	return rows, err
 }
 
+const dropDetached = `-- name: DropDetached :one
+SELECT idem.drop_detached($1::text::regclass)::text AS result
+`
+
+func (q *Queries) DropDetached(ctx context.Context, name string) (string, error) {
+	row := q.db.QueryRow(ctx, dropDetached, name)
+	var result string
+	err := row.Scan(&result)
+	return result, err
+}
+
 const listPartitions = `-- name: ListPartitions :many
 SELECT p.partition::text                 AS name,
        p.is_default::boolean             AS is_default,

@@ -165,11 +165,21 @@ func Rotate(ctx context.Context, pool *pgxpool.Pool, cfg Config) (*Result, error
 		if p.IsDefault || !p.MonthTo.Valid || p.MonthTo.Time.After(thisMonth.Time) {
 			continue
 		}
+		// Detach first and drop in a second transaction: the lock on
+		// processed_events, which claims queue behind, lasts only the detach.
 		out, err := cfg.step(ctx, pool, func(q *pgxdb.Queries) (string, error) {
-			return q.RetirePartition(ctx, pgxdb.RetirePartitionParams{Name: p.Name, KeepDetached: cfg.KeepDetached})
+			return q.RetirePartition(ctx, pgxdb.RetirePartitionParams{Name: p.Name, KeepDetached: true})
 		})
 		if err != nil {
 			return res, fmt.Errorf("retire %s: %w", p.Name, err)
+		}
+		if out == "detached" && !cfg.KeepDetached {
+			out, err = cfg.step(ctx, pool, func(q *pgxdb.Queries) (string, error) {
+				return q.DropDetached(ctx, p.Name)
+			})
+			if err != nil {
+				return res, fmt.Errorf("drop %s: %w", p.Name, err)
+			}
 		}
 		res.add(ctx, cfg, Step{"retire", p.Name, out})
 	}

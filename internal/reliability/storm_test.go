@@ -28,7 +28,7 @@ func monthStart(add int) time.Time {
 func TestDuplicateStorm(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	keys, copies := scale(10_000, 100_000), 16
+	keys, copies := scale(10_000, 50_000), 16
 	url := testdb.New(t)
 	pool := testdb.Pool(t, url, 32)
 	// Work for the maintenance loop: expired rows in two past months and

@@ -188,17 +188,46 @@ BEGIN
     IF p.month_to > date_trunc('month', v_now, 'UTC')::date THEN
         RETURN 'kept: the month is not over';
     END IF;
+    -- A row is live while expires_at has not passed; a leased row always
+    -- has expires_at >= lease_expires_at (claim and extend keep it so), so
+    -- one probe of the expires_at index answers. Asked once before locking
+    -- (no lock for a month that is not ready) and again under the lock.
+    EXECUTE format('SELECT EXISTS (SELECT 1 FROM %s x WHERE x.expires_at >= $1)', part) INTO v_live USING v_now;
+    IF v_live THEN
+        RETURN 'kept: it still has live rows';
+    END IF;
     LOCK TABLE ONLY idem.processed_events IN ACCESS EXCLUSIVE MODE;
     EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE', part);
-    EXECUTE format('SELECT EXISTS (SELECT 1 FROM %s x WHERE x.expires_at >= $1
-                                   OR (x.status = ''processing'' AND x.lease_expires_at >= $1))', part)
-        INTO v_live USING v_now;
+    EXECUTE format('SELECT EXISTS (SELECT 1 FROM %s x WHERE x.expires_at >= $1)', part) INTO v_live USING v_now;
     IF v_live THEN
         RETURN 'kept: it still has live rows';
     END IF;
     IF keep_detached THEN
         EXECUTE format('ALTER TABLE idem.processed_events DETACH PARTITION %s', part);
         RETURN 'detached';
+    END IF;
+    EXECUTE format('DROP TABLE %s', part);
+    RETURN 'dropped';
+END
+$$;
+-- +goose StatementEnd
+
+-- +goose StatementBegin
+-- Drops a table that retire_partition(..., keep_detached => true) detached
+-- (a table of schema idem named like a month's partition that is no longer
+-- attached). Rotation retires a month in two transactions, DETACH then
+-- this, so that the lock on processed_events is held only for the detach.
+CREATE FUNCTION idem.drop_detached(part regclass) RETURNS text
+    LANGUAGE plpgsql VOLATILE
+    SECURITY DEFINER
+    SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                    WHERE c.oid = part AND n.nspname = 'idem' AND c.relname ~ '^processed_events_p[0-9]{4}_[0-9]{2}$'
+                      AND NOT c.relispartition) THEN
+        RAISE EXCEPTION USING ERRCODE = '42P01',
+            MESSAGE = format('idem.drop_detached: %s is not a detached month of idem.processed_events', part);
     END IF;
     EXECUTE format('DROP TABLE %s', part);
     RETURN 'dropped';
@@ -296,12 +325,16 @@ BEGIN
                    WHERE NOT p.is_default AND p.month_to <= pg_catalog.date_trunc('month', idem.clock(), 'UTC')::date LOOP
         BEGIN
             PERFORM pg_catalog.set_config('lock_timeout', pg_catalog.floor(extract(epoch FROM lock_wait) * 1000)::text, true);
-            v_res := idem.retire_partition(v_part, keep_detached);
+            v_res := idem.retire_partition(v_part, true);
             RAISE NOTICE 'idem.rotate: %: %', v_part, v_res;
         EXCEPTION WHEN lock_not_available THEN
             RAISE NOTICE 'idem.rotate: could not lock %, left for the next run', v_part;
         END;
         COMMIT;
+        IF v_res = 'detached' AND NOT keep_detached THEN
+            PERFORM idem.drop_detached(v_part);
+            COMMIT;
+        END IF;
     END LOOP;
     PERFORM idem.release_lock('rotate', v_holder);
     COMMIT;
@@ -314,6 +347,7 @@ $$;
 DROP PROCEDURE IF EXISTS idem.rotate(integer, boolean, interval);
 DROP PROCEDURE IF EXISTS idem.prune(integer, integer);
 DROP FUNCTION IF EXISTS idem.months_to_create(integer);
+DROP FUNCTION IF EXISTS idem.drop_detached(regclass);
 DROP FUNCTION IF EXISTS idem.retire_partition(regclass, boolean);
 DROP FUNCTION IF EXISTS idem.prunable_rows();
 DROP FUNCTION IF EXISTS idem.prune_batch(text, integer);

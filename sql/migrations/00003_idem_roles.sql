@@ -45,6 +45,7 @@ BEGIN
         idem.partitions(),
         idem.create_partition(date),
         idem.retire_partition(regclass, boolean),
+        idem.drop_detached(regclass),
         idem.months_to_create(integer),
         idem.try_lock(text, text, interval),
         idem.release_lock(text, text),

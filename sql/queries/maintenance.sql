@@ -35,6 +35,9 @@ SELECT idem.create_partition(sqlc.arg(month)::date)::text AS name;
 -- name: RetirePartition :one
 SELECT idem.retire_partition(sqlc.arg(name)::text::regclass, sqlc.arg(keep_detached)::boolean)::text AS result;
 
+-- name: DropDetached :one
+SELECT idem.drop_detached(sqlc.arg(name)::text::regclass)::text AS result;
+
 -- name: DefaultPartitionRows :one
 SELECT count(*)::bigint AS rows FROM idem.processed_events_default;
 
