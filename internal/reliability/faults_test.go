@@ -34,10 +34,11 @@ func TestCrashMidWork(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	keys := scale(200, 5000)
+	lease := time.Duration(scale(2, 20)) * time.Second // outlasts acquiring all the keys
 	url := testdb.New(t)
 	pool := testdb.Pool(t, url, 24)
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), helperEnv+"=crash", "HELPER_URL="+url, fmt.Sprintf("HELPER_KEYS=%d", keys))
+	cmd.Env = append(os.Environ(), helperEnv+"=crash", "HELPER_URL="+url, fmt.Sprintf("HELPER_KEYS=%d", keys), "HELPER_LEASE="+lease.String())
 	out, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -65,7 +66,7 @@ func TestCrashMidWork(t *testing.T) {
 	if cl, err := c.Claim(ctx, "crash", "job-00000"); err != nil || cl.Outcome != idem.InProgress {
 		t.Fatalf("right after the crash: %+v %v", cl, err)
 	}
-	time.Sleep(time.Until(killedAt.Add(2100 * time.Millisecond)))
+	time.Sleep(time.Until(killedAt.Add(lease + 100*time.Millisecond)))
 
 	// 8 deliveries of every key race; one acquires each.
 	var acquired sync.Map

@@ -40,10 +40,11 @@ const helperEnv = "IDEM_RELIABILITY_HELPER"
 func helper() int {
 	ctx := context.Background()
 	n, _ := strconv.Atoi(os.Getenv("HELPER_KEYS"))
+	lease, _ := time.ParseDuration(os.Getenv("HELPER_LEASE"))
 	pool := mustPool(os.Getenv("HELPER_URL"))
 	c := idem.New(pool, nil)
 	for i := range n {
-		cl, err := c.Claim(ctx, "crash", fmt.Sprintf("job-%05d", i), idem.WithLease(2*time.Second))
+		cl, err := c.Claim(ctx, "crash", fmt.Sprintf("job-%05d", i), idem.WithLease(lease))
 		if err != nil || cl.Outcome != idem.Acquired {
 			fmt.Fprintf(os.Stderr, "helper: claim %d: %+v %v\n", i, cl, err)
 			return 1
