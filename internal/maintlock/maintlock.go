@@ -46,6 +46,17 @@ func (l *Lock) Acquire(ctx context.Context) (Holder, error) {
 	return Holder{Acquired: row.Acquired, Holder: row.Holder, ExpiresAt: row.ExpiresAt.Time}, nil
 }
 
+// Take is Acquire for the start of a run: a lock held by someone else is
+// logged (debug) with its holder, and the caller skips its run.
+func (l *Lock) Take(ctx context.Context, log *slog.Logger) (Holder, error) {
+	held, err := l.Acquire(ctx)
+	if err == nil && !held.Acquired {
+		log.LogAttrs(ctx, slog.LevelDebug, l.name+" skipped: another instance holds the lock",
+			slog.String("holder", held.Holder), slog.Time("until", held.ExpiresAt))
+	}
+	return held, err
+}
+
 // Release gives the lock up. It runs even when ctx is cancelled (SIGTERM):
 // a lock left behind would make the next run wait for its lease to end.
 func (l *Lock) Release(ctx context.Context, log *slog.Logger) {

@@ -123,13 +123,11 @@ func Rotate(ctx context.Context, pool *pgxpool.Pool, cfg Config) (*Result, error
 	}
 	q := pgxdb.New(pool)
 	lock := maintlock.New(q, LockName, cfg.Holder, cfg.LockTTL)
-	held, err := lock.Acquire(ctx)
+	held, err := lock.Take(ctx, cfg.Logger)
 	if err != nil {
 		return nil, err
 	}
 	if !held.Acquired {
-		cfg.Logger.LogAttrs(ctx, slog.LevelDebug, "rotate skipped: another instance holds the lock",
-			slog.String("holder", held.Holder), slog.Time("until", held.ExpiresAt))
 		return &Result{Skipped: true, Holder: held}, nil
 	}
 	defer lock.Release(ctx, cfg.Logger)
