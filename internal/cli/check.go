@@ -53,14 +53,11 @@ func runCheck(ctx context.Context, io IO, g *globals, args []string) error {
 	if _, err := g.logger(io.Err); err != nil {
 		return err
 	}
-	pool, err := g.connect(ctx, io.Env, 2)
+	pool, err := g.connectMigrated(ctx, io.Env, 2)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	if err := requireMigrated(ctx, pool); err != nil {
-		return err
-	}
 	h, err := measure(ctx, pool, c)
 	if err != nil {
 		return err

@@ -120,6 +120,19 @@ func cause(err error) string {
 	return err.Error()
 }
 
+// connectMigrated is connect for commands that need idem's schema.
+func (g *globals) connectMigrated(ctx context.Context, env Env, maxConns int32) (*pgxpool.Pool, error) {
+	pool, err := g.connect(ctx, env, maxConns)
+	if err != nil {
+		return nil, err
+	}
+	if err := requireMigrated(ctx, pool); err != nil {
+		pool.Close()
+		return nil, err
+	}
+	return pool, nil
+}
+
 // requireMigrated fails with ExitNotMigrated unless idem's schema is there.
 func requireMigrated(ctx context.Context, pool *pgxpool.Pool) error {
 	var ok bool

@@ -22,14 +22,11 @@ func runGrant(ctx context.Context, io IO, g *globals, args []string) error {
 	if _, err := g.logger(io.Err); err != nil {
 		return err
 	}
-	pool, err := g.connect(ctx, io.Env, 1)
+	pool, err := g.connectMigrated(ctx, io.Env, 1)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	if err := requireMigrated(ctx, pool); err != nil {
-		return err
-	}
 	// The role name travels as a parameter and is resolved by ::regrole,
 	// which quotes it in the GRANTs; nothing is spliced into SQL here.
 	for _, x := range []struct{ fn, role string }{{"idem.grant_app", *app}, {"idem.grant_maintainer", *maint}} {

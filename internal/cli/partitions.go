@@ -60,14 +60,11 @@ func runPartitions(ctx context.Context, io IO, g *globals, args []string) error 
 	if err != nil {
 		return err
 	}
-	pool, err := g.connect(ctx, io.Env, 2)
+	pool, err := g.connectMigrated(ctx, io.Env, 2)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	if err := requireMigrated(ctx, pool); err != nil {
-		return err
-	}
 	if sub == "list" {
 		return listPartitions(ctx, io, pool, asJSON)
 	}

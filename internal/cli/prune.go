@@ -49,14 +49,11 @@ func runPrune(ctx context.Context, io IO, g *globals, args []string) error {
 	if err != nil {
 		return err
 	}
-	pool, err := g.connect(ctx, io.Env, 2)
+	pool, err := g.connectMigrated(ctx, io.Env, 2)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	if err := requireMigrated(ctx, pool); err != nil {
-		return err
-	}
 	p.cfg.Logger = log
 	p.cfg.LockTimeout, p.cfg.StatementTimeout = g.lockTimeout, g.statementTimeout
 	if isTerminal(io.Out) {

@@ -71,14 +71,11 @@ func runDaemon(ctx context.Context, io IO, g *globals, args []string) error {
 	if err != nil {
 		return err
 	}
-	pool, err := g.connect(ctx, io.Env, 4)
+	pool, err := g.connectMigrated(ctx, io.Env, 4)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	if err := requireMigrated(ctx, pool); err != nil {
-		return err
-	}
 
 	m := newMetrics(pool)
 	pf.cfg.Logger = log.With(slog.String("job", "prune"))

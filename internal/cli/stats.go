@@ -46,14 +46,11 @@ func runStats(ctx context.Context, io IO, g *globals, args []string) error {
 	if _, err := g.logger(io.Err); err != nil {
 		return err
 	}
-	pool, err := g.connect(ctx, io.Env, 2)
+	pool, err := g.connectMigrated(ctx, io.Env, 2)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	if err := requireMigrated(ctx, pool); err != nil {
-		return err
-	}
 	q := pgxdb.New(pool)
 	rows, err := q.SourceStats(ctx)
 	if err != nil {
