@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"testing"
-	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -66,7 +65,6 @@ func TestClaimLifecycle(t *testing.T) {
 	if err := c.Complete(ctx, "stripe", "nope", 1, nil); !errors.Is(err, idem.ErrNotFound) {
 		t.Fatalf("complete of an unknown key: %v, want ErrNotFound", err)
 	}
-	_ = time.Second
 }
 
 func mustJSON(t *testing.T, v any) []byte {

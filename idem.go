@@ -202,16 +202,26 @@ func (e errorString) Error() string { return string(e) }
 // UTF-8) before it reaches the server, whose own error would be obscure.
 // Lengths and blankness are checked by the SQL functions, the one authority.
 func checkText(op, source, key string, more ...string) error {
-	for i, s := range append([]string{source, key}, more...) {
-		what := [...]string{"source", "key", "fingerprint", "event type"}[min(i, 3)]
+	names := [...]string{"source", "key", "fingerprint", "event type"}
+	for i := range 2 + len(more) {
+		s := source
+		switch {
+		case i == 1:
+			s = key
+		case i > 1:
+			s = more[i-2]
+		}
+		var problem string
 		switch {
 		case !utf8.ValidString(s):
-			return &Error{Op: op, Source: source, Key: key, Kind: ErrInvalidInput,
-				Err: errorString(what + " is not valid UTF-8")}
+			problem = " is not valid UTF-8"
 		case strings.IndexByte(s, 0) >= 0:
-			return &Error{Op: op, Source: source, Key: key, Kind: ErrInvalidInput,
-				Err: errorString(what + " contains a NUL byte")}
+			problem = " contains a NUL byte"
+		default:
+			continue
 		}
+		return &Error{Op: op, Source: source, Key: key, Kind: ErrInvalidInput,
+			Err: errorString(names[min(i, len(names)-1)] + problem)}
 	}
 	return nil
 }

@@ -147,16 +147,10 @@ func TestRaceExactlyOneAcquirePerKey(t *testing.T) {
 	}
 }
 
-// monthStart is the first instant of the UTC month of t.
-func monthStart(t time.Time) time.Time {
-	t = t.UTC()
-	return time.Date(t.Year(), t.Month(), 1, 0, 0, 0, 0, time.UTC)
-}
-
 func TestRaceAcrossMonthBoundary(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	boundary := monthStart(time.Now()) // partitions exist for this month and the next
+	boundary := testdb.MonthStart(time.Now(), 0) // partitions exist for this month and the next
 	url := testdb.New(t)
 	admin := testdb.Pool(t, url, 2)
 	// The month before the boundary has no partition yet: make it, as

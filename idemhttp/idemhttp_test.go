@@ -1,7 +1,6 @@
 package idemhttp_test
 
 import (
-	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -280,5 +279,4 @@ func TestConcurrentIdenticalRequests(t *testing.T) {
 		}
 	}
 	t.Logf("%d replays, %d conflicts (409)", replays.Load(), conflicts.Load())
-	_ = context.Background()
 }

@@ -37,10 +37,7 @@ func seedRows(t *testing.T, pool *pgxpool.Pool, prefix string, month time.Time, 
 	}
 }
 
-func monthStart(t time.Time, add int) time.Time {
-	t = t.UTC()
-	return time.Date(t.Year(), t.Month()+time.Month(add), 1, 0, 0, 0, 0, time.UTC)
-}
+var monthStart = testdb.MonthStart
 
 // keysLeft lists the seeded keys still present, by prefix.
 func keysLeft(t *testing.T, pool *pgxpool.Pool) map[string]int {
@@ -204,12 +201,11 @@ func TestPruneTwoInstances(t *testing.T) {
 	})
 	t.Run("through PgBouncer in transaction pooling", func(t *testing.T) {
 		t.Parallel()
-		url, pool, want := threeMonths(t)
+		_, pool, want := threeMonths(t)
 		var db string
 		if err := pool.QueryRow(context.Background(), `SELECT current_database()`).Scan(&db); err != nil {
 			t.Fatal(err)
 		}
-		_ = url
 		bouncer := testdb.PgBouncer(t, db)
 		requireOneDeletedOneSkipped(t, startTogether(t, bouncer), 12000)
 		sameCounts(t, keysLeft(t, pool), want)

@@ -46,11 +46,6 @@ func (c *Cluster) URL(database string) string {
 	return fmt.Sprintf("host=%s port=%d user=postgres dbname=%s sslmode=disable", c.Dir, c.Port, database)
 }
 
-// TCPURL is the same over TCP on 127.0.0.1, for tools that need a port.
-func (c *Cluster) TCPURL(database string) string {
-	return fmt.Sprintf("postgres://postgres@127.0.0.1:%d/%s?sslmode=disable", c.Port, database)
-}
-
 // FindBinDir locates a directory holding initdb, pg_ctl and postgres.
 func FindBinDir() (string, error) {
 	var candidates []string

@@ -16,7 +16,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/idemkit/idem"
@@ -335,5 +334,3 @@ func TestThroughPgBouncer(t *testing.T) {
 		t.Fatalf("rotate through PgBouncer: %+v %v", rr, err)
 	}
 }
-
-var _ = pgxpool.New

@@ -2,7 +2,6 @@ package reliability
 
 import (
 	"context"
-	"os"
 	"testing"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -29,5 +28,3 @@ func count(t *testing.T, pool *pgxpool.Pool, sql string, args ...any) int {
 	}
 	return n
 }
-
-var _ = os.Getenv

@@ -17,10 +17,7 @@ import (
 	"github.com/idemkit/idem/internal/testdb"
 )
 
-func monthStart(add int) time.Time {
-	n := time.Now().UTC()
-	return time.Date(n.Year(), n.Month()+time.Month(add), 1, 0, 0, 0, 0, time.UTC)
-}
+func monthStart(add int) time.Time { return testdb.MonthStart(time.Now(), add) }
 
 // TestDuplicateStorm: 10,000 keys x 16 concurrent deliveries over 32
 // connections while prune and rotation run in a loop: exactly 10,000

@@ -97,15 +97,6 @@ func requireServer(t testing.TB) {
 	}
 }
 
-// CurrentCluster returns the throwaway cluster, or nil when EnvURL is in use.
-func CurrentCluster() *pgcluster.Cluster { return server.cluster }
-
-// AdminURL is the connection string of the maintenance database.
-func AdminURL(t testing.TB) string {
-	requireServer(t)
-	return server.adminURL
-}
-
 // URLFor returns the connection string for database name on the test server.
 func URLFor(t testing.TB, name string) string {
 	requireServer(t)
@@ -287,4 +278,10 @@ func PoolAt(t testing.TB, url string, maxConns int32, at time.Time) *pgxpool.Poo
 	}
 	t.Cleanup(pool.Close)
 	return pool
+}
+
+// MonthStart is the first instant of the UTC month add months after t's.
+func MonthStart(t time.Time, add int) time.Time {
+	t = t.UTC()
+	return time.Date(t.Year(), t.Month()+time.Month(add), 1, 0, 0, 0, 0, time.UTC)
 }
