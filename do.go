@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math/rand/v2"
 	"runtime/debug"
 	"time"
 )
@@ -13,10 +14,15 @@ import (
 // Result is what Do returns for a key whose work is done.
 type Result struct {
 	// Result is the stored result: what this call's work returned, or, for
-	// a duplicate, what the first delivery's work returned.
+	// a duplicate, what the first delivery's work returned (as stored:
+	// jsonb normalizes white space and key order). nil when the work
+	// returned nil or its result could not be stored (see NotStored).
 	Result json.RawMessage
 	// Replayed is true when the work was not run because it was done before.
 	Replayed bool
+	// NotStored, for a key whose work ran but whose result could not be
+	// stored, says why (and Result is nil on replays).
+	NotStored string
 	// Claim is the claim that decided this call.
 	Claim *Claim
 }
@@ -26,20 +32,32 @@ type Result struct {
 // is stored as is). For a key done before it returns the stored result
 // with Replayed set, without running fn.
 //
+// Once fn has returned, its outcome is recorded whatever happens to ctx:
+// recording is detached from ctx's cancellation and, on a pool, transient
+// errors are retried with backoff for up to Config.RecordTimeout. A result
+// that cannot be stored (over 1 MiB, not JSON, a NUL character) still
+// completes the key, without a result, so a duplicate is answered as done
+// instead of running fn again; Do then returns an error matching
+// ErrResultNotStored and the cause.
+//
 // When fn returns an error, the key is released as a retryable failure (so
 // the next delivery runs fn again) and the error is returned; wrap it with
 // Permanent to record a permanent failure instead. A panic in fn is
 // recovered, released the same way, and returned as a *PanicError.
 //
 // Other answers are errors: ErrInProgress (another worker holds the lease;
-// the *Result carries the claim, whose LeaseExpiresAt says when to retry),
+// the *Result carries the claim, whose LeaseRemaining says when to retry),
 // ErrMismatch, and *FailedError (errors.Is ErrFailed).
 //
-// On a pool-backed client, Do extends the lease while fn runs and cancels
-// fn's context if the lease is lost. On a transaction-bound client (WithTx)
-// the claim, fn's writes and the completion commit together; there is no
-// heartbeat, since the transaction itself keeps duplicates waiting.
+// On a pool-backed client, Do extends the lease while fn runs, until fn
+// returns even if ctx is cancelled (fn may ignore its context; its lease
+// must not lapse while it still runs), and cancels fn's context with
+// ErrLeaseLost if the lease is lost. On a transaction-bound client
+// (WithTx) the claim, fn's writes and the completion commit together;
+// there is no heartbeat, since the transaction itself keeps duplicates
+// waiting (up to the claim's lock wait).
 func (c *Client) Do(ctx context.Context, source, key string, fn func(ctx context.Context) (any, error), opts ...ClaimOption) (*Result, error) {
+	sent := time.Now() // the lease starts no earlier than this, by our clock
 	cl, err := c.Claim(ctx, source, key, opts...)
 	if err != nil {
 		return nil, err
@@ -48,6 +66,9 @@ func (c *Client) Do(ctx context.Context, source, key string, fn func(ctx context
 	switch cl.Outcome {
 	case Completed:
 		res.Result, res.Replayed = cl.Result, true
+		if cl.Result == nil && cl.Error != "" {
+			res.NotStored = cl.Error
+		}
 		return res, nil
 	case InProgress:
 		return res, ErrInProgress
@@ -63,17 +84,18 @@ func (c *Client) Do(ctx context.Context, source, key string, fn func(ctx context
 
 	workCtx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	stop := c.heartbeat(workCtx, cancel, cl)
+	stop := c.heartbeat(workCtx, cancel, cl, sent)
 	value, runErr := run(workCtx, fn)
 	stop()
+	if cause := context.Cause(workCtx); runErr != nil && errors.Is(cause, ErrLeaseLost) && !errors.Is(runErr, ErrLeaseLost) {
+		runErr = fmt.Errorf("%w: %w", ErrLeaseLost, runErr)
+	}
 
 	if runErr != nil {
 		retryable := !IsPermanent(runErr)
-		// Record the failure even if ctx was cancelled: the key must not
-		// stay leased until the lease runs out when we know it failed.
-		fctx, fcancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-		defer fcancel()
-		if ferr := c.Fail(fctx, source, key, cl.Token, runErr.Error(), retryable); ferr != nil {
+		if ferr := c.record(ctx, source, key, func(ctx context.Context) error {
+			return c.Fail(ctx, source, key, cl.Token, runErr.Error(), retryable)
+		}); ferr != nil && !errors.Is(runErr, ErrLeaseLost) {
 			c.cfg.Logger.LogAttrs(ctx, slog.LevelWarn, "idem: could not record failure; the key is released when its lease ends",
 				slog.String("source", source), slog.String("key", key), slog.Any("error", ferr))
 			return res, errors.Join(runErr, ferr)
@@ -82,18 +104,75 @@ func (c *Client) Do(ctx context.Context, source, key string, fn func(ctx context
 	}
 
 	raw, err := marshalResult(value)
-	if err != nil {
-		_ = c.Fail(context.WithoutCancel(ctx), source, key, cl.Token, err.Error(), true)
-		return res, err
-	}
-	if err := c.Complete(ctx, source, key, cl.Token, raw); err != nil {
-		if errors.Is(err, ErrStaleToken) {
-			return res, fmt.Errorf("%w: %w", ErrLeaseLost, err)
+	if err == nil {
+		err = c.record(ctx, source, key, func(ctx context.Context) error {
+			return c.Complete(ctx, source, key, cl.Token, raw)
+		})
+		if err == nil {
+			res.Result = raw
+			return res, nil
 		}
+	}
+	if errors.Is(err, ErrStaleToken) {
+		return res, fmt.Errorf("%w: %w", ErrLeaseLost, err)
+	}
+	if !unstorable(err) {
+		// Not recorded within RecordTimeout: the key stays processing until
+		// its lease ends, and then runs again (docs/design.md).
+		c.cfg.Logger.LogAttrs(ctx, slog.LevelError, "idem: the work ran but could not be recorded; it will run again after the lease ends",
+			slog.String("source", source), slog.String("key", key), slog.Any("error", err))
 		return res, err
 	}
-	res.Result = raw
-	return res, nil
+	// The work ran and its result cannot be stored: complete the key
+	// without it, so that duplicates are told it is done.
+	uerr := c.record(ctx, source, key, func(ctx context.Context) error {
+		return c.CompleteUnstored(ctx, source, key, cl.Token, err.Error())
+	})
+	if uerr != nil {
+		if errors.Is(uerr, ErrStaleToken) {
+			uerr = fmt.Errorf("%w: %w", ErrLeaseLost, uerr)
+		}
+		return res, errors.Join(err, uerr)
+	}
+	res.NotStored = "result not stored: " + err.Error()
+	return res, &Error{Op: "complete", Source: source, Key: key, Kind: ErrResultNotStored, Err: err}
+}
+
+// unstorable reports an error of a result that can never be stored.
+func unstorable(err error) bool {
+	return errors.Is(err, ErrInvalidInput) || errors.Is(err, ErrResultTooLarge)
+}
+
+// record runs one recording call (complete or fail) detached from ctx's
+// cancellation, bounded by RecordTimeout. On a pool it retries transient
+// errors with jittered exponential backoff; inside a transaction a failed
+// statement has aborted the transaction, so there is one attempt.
+func (c *Client) record(ctx context.Context, source, key string, call func(ctx context.Context) error) error {
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.RecordTimeout)
+	defer cancel()
+	pause := 25 * time.Millisecond
+	for attempt := 1; ; attempt++ {
+		err := call(rctx)
+		if err == nil || !c.d.concurrent() || !transient(err) || rctx.Err() != nil {
+			if err != nil && attempt > 1 && errors.Is(err, ErrStaleToken) {
+				// An earlier attempt may have gone through before its
+				// answer was lost, and another worker acquired the key since.
+				err = fmt.Errorf("%w (after %d attempts; an earlier one may have been recorded)", err, attempt)
+			}
+			return err
+		}
+		c.cfg.Logger.LogAttrs(ctx, slog.LevelWarn, "idem: recording failed; retrying",
+			slog.String("source", source), slog.String("key", key), slog.Int("attempt", attempt), slog.Any("error", err))
+		wait := pause/2 + rand.N(pause/2+1)
+		pause = min(pause*2, 2*time.Second)
+		t := time.NewTimer(wait)
+		select {
+		case <-rctx.Done():
+			t.Stop()
+			return err
+		case <-t.C:
+		}
+	}
 }
 
 // run calls fn, turning a panic into a *PanicError.
@@ -123,44 +202,51 @@ func marshalResult(v any) (json.RawMessage, error) {
 }
 
 // heartbeat extends the lease while the work runs; it returns a function
-// that stops it and waits for it to finish.
-func (c *Client) heartbeat(ctx context.Context, cancel context.CancelCauseFunc, cl *Claim) func() {
-	if !c.d.concurrent() || c.cfg.HeartbeatFraction < 0 || cl.LeaseExpiresAt.IsZero() {
+// that stops it and waits for it to finish. It is timed by this process's
+// monotonic clock from the lease length the database granted, counted from
+// before the request that was granted it, so a skewed clock on either side
+// cannot make it late. It keeps going when ctx is cancelled (the work may
+// not stop) and ends only when the work returns or the lease is lost.
+func (c *Client) heartbeat(ctx context.Context, cancel context.CancelCauseFunc, cl *Claim, sent time.Time) func() {
+	lease := cl.LeaseRemaining
+	if !c.d.concurrent() || c.cfg.HeartbeatFraction < 0 || lease <= 0 {
 		return func() {}
 	}
-	lease := cl.lease // the caller's WithLease, or 0 for the source's policy
-	span := lease
-	if span == 0 {
-		span = time.Until(cl.LeaseExpiresAt)
-	}
-	every := time.Duration(float64(span) * c.cfg.HeartbeatFraction)
-	if every < 100*time.Millisecond {
-		every = 100 * time.Millisecond
-	}
+	every := max(time.Duration(float64(lease)*c.cfg.HeartbeatFraction), 50*time.Millisecond)
+	bctx := context.WithoutCancel(ctx)
 	done := make(chan struct{})
 	stopped := make(chan struct{})
 	go func() {
 		defer close(stopped)
-		t := time.NewTicker(every)
+		next := sent.Add(every)
+		t := time.NewTimer(time.Until(next))
 		defer t.Stop()
 		for {
 			select {
 			case <-done:
 				return
-			case <-ctx.Done():
-				return
 			case <-t.C:
-				_, err := c.Extend(ctx, cl.Source, cl.Key, cl.Token, lease)
-				switch {
-				case err == nil:
-				case errors.Is(err, ErrStaleToken), errors.Is(err, ErrNotFound):
-					cancel(ErrLeaseLost)
-					return
-				case ctx.Err() == nil:
-					c.cfg.Logger.LogAttrs(ctx, slog.LevelWarn, "idem: lease heartbeat failed; will retry",
-						slog.String("source", cl.Source), slog.String("key", cl.Key), slog.Any("error", err))
-				}
 			}
+			start := time.Now()
+			ectx, ecancel := context.WithTimeout(bctx, every)
+			_, err := c.Extend(ectx, cl.Source, cl.Key, cl.Token, lease)
+			ecancel()
+			switch {
+			case err == nil:
+				next = start.Add(every)
+			case errors.Is(err, ErrStaleToken), errors.Is(err, ErrNotFound):
+				cancel(ErrLeaseLost)
+				c.cfg.Logger.LogAttrs(bctx, slog.LevelWarn, "idem: lease lost while the work runs; its context is cancelled",
+					slog.String("source", cl.Source), slog.String("key", cl.Key))
+				return
+			default:
+				// Try again soon: the lease still has about
+				// lease*(1-fraction) left from the last extension.
+				next = time.Now().Add(max(every/4, 50*time.Millisecond))
+				c.cfg.Logger.LogAttrs(bctx, slog.LevelWarn, "idem: lease heartbeat failed; will retry",
+					slog.String("source", cl.Source), slog.String("key", cl.Key), slog.Any("error", err))
+			}
+			t.Reset(time.Until(next))
 		}
 	}()
 	return func() { close(done); <-stopped }

@@ -36,6 +36,7 @@ type SQLExecutor interface {
 type claimArgs struct {
 	source, key, fingerprint, eventType string
 	ttl, lease                          time.Duration
+	lockWait                            *time.Duration // nil: the database's default
 }
 
 // driver is the thin seam between the public API and the two generated
@@ -43,6 +44,7 @@ type claimArgs struct {
 type driver interface {
 	claim(ctx context.Context, a claimArgs) (*Claim, error)
 	complete(ctx context.Context, source, key string, token int64, result []byte) (string, error)
+	completeUnstored(ctx context.Context, source, key string, token int64, reason string) (string, error)
 	fail(ctx context.Context, source, key string, token int64, msg string, retryable bool) (string, error)
 	extend(ctx context.Context, source, key string, token int64, lease time.Duration) (string, time.Time, error)
 	// concurrent reports whether the executor may be used from several
@@ -58,6 +60,16 @@ func msPtr(d time.Duration) *int64 {
 	return &ms
 }
 
+// waitMs is lock_wait in milliseconds: nil for the database's default,
+// and a real zero (answer at once) kept apart from it.
+func waitMs(d *time.Duration) *int64 {
+	if d == nil {
+		return nil
+	}
+	ms := max(d.Milliseconds(), 0)
+	return &ms
+}
+
 func strPtr(s string) *string {
 	if s == "" {
 		return nil
@@ -68,6 +80,36 @@ func strPtr(s string) *string {
 type pgxDriver struct {
 	q  *pgxdb.Queries
 	db PgxExecutor
+}
+
+func newPgxDriver(db PgxExecutor, mode pgx.QueryExecMode) pgxDriver {
+	return pgxDriver{q: pgxdb.New(execMode{db: db, mode: mode}), db: db}
+}
+
+// execMode runs every protocol statement in one pgx query execution mode,
+// whatever the pool's default: QueryExecModeExec by default, which needs no
+// named prepared statement on the server, so idem works through PgBouncer
+// in transaction mode with pgx's default configuration (whose statement
+// cache would otherwise fail on another backend's missing statement).
+type execMode struct {
+	db   PgxExecutor
+	mode pgx.QueryExecMode
+}
+
+func (e execMode) args(args []any) []any {
+	return append(append(make([]any, 0, len(args)+1), e.mode), args...)
+}
+
+func (e execMode) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	return e.db.Exec(ctx, sql, e.args(args)...)
+}
+
+func (e execMode) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	return e.db.Query(ctx, sql, e.args(args)...)
+}
+
+func (e execMode) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	return e.db.QueryRow(ctx, sql, e.args(args)...)
 }
 
 func (d pgxDriver) concurrent() bool {
@@ -86,7 +128,7 @@ func (d pgxDriver) claim(ctx context.Context, a claimArgs) (*Claim, error) {
 	row, err := d.q.Claim(ctx, pgxdb.ClaimParams{
 		Source: a.source, Key: a.key,
 		Fingerprint: strPtr(a.fingerprint), EventType: strPtr(a.eventType),
-		TtlMs: msPtr(a.ttl), LeaseMs: msPtr(a.lease),
+		TtlMs: msPtr(a.ttl), LeaseMs: msPtr(a.lease), LockWaitMs: waitMs(a.lockWait),
 	})
 	if err != nil {
 		return nil, err
@@ -96,6 +138,7 @@ func (d pgxDriver) claim(ctx context.Context, a claimArgs) (*Claim, error) {
 		Token: row.Token, Attempt: int(row.Attempt),
 		LeaseExpiresAt: tsOf(row.LeaseExpiresAt), Result: json.RawMessage(row.Result),
 		Error: row.Error, FirstSeen: tsOf(row.FirstSeen), ExpiresAt: tsOf(row.ExpiresAt),
+		LeaseRemaining: time.Duration(row.LeaseRemainingMs) * time.Millisecond,
 	}, nil
 }
 
@@ -109,6 +152,10 @@ func (d pgxDriver) complete(ctx context.Context, source, key string, token int64
 		text = &s
 	}
 	return d.q.Complete(ctx, pgxdb.CompleteParams{Source: source, Key: key, Token: token, Result: text})
+}
+
+func (d pgxDriver) completeUnstored(ctx context.Context, source, key string, token int64, reason string) (string, error) {
+	return d.q.CompleteUnstored(ctx, pgxdb.CompleteUnstoredParams{Source: source, Key: key, Token: token, Reason: reason})
 }
 
 func (d pgxDriver) fail(ctx context.Context, source, key string, token int64, msg string, retryable bool) (string, error) {
@@ -132,8 +179,10 @@ func (d sqlDriver) concurrent() bool {
 
 func nullStr(s string) sql.NullString { return sql.NullString{String: s, Valid: s != ""} }
 
-func nullMs(d time.Duration) sql.NullInt64 {
-	if p := msPtr(d); p != nil {
+func nullMs(d time.Duration) sql.NullInt64 { return nullInt(msPtr(d)) }
+
+func nullInt(p *int64) sql.NullInt64 {
+	if p != nil {
 		return sql.NullInt64{Int64: *p, Valid: true}
 	}
 	return sql.NullInt64{}
@@ -143,7 +192,7 @@ func (d sqlDriver) claim(ctx context.Context, a claimArgs) (*Claim, error) {
 	row, err := d.q.Claim(ctx, sqldb.ClaimParams{
 		Source: a.source, Key: a.key,
 		Fingerprint: nullStr(a.fingerprint), EventType: nullStr(a.eventType),
-		TtlMs: nullMs(a.ttl), LeaseMs: nullMs(a.lease),
+		TtlMs: nullMs(a.ttl), LeaseMs: nullMs(a.lease), LockWaitMs: nullInt(waitMs(a.lockWait)),
 	})
 	if err != nil {
 		return nil, err
@@ -153,6 +202,7 @@ func (d sqlDriver) claim(ctx context.Context, a claimArgs) (*Claim, error) {
 		Token: row.Token, Attempt: int(row.Attempt),
 		LeaseExpiresAt: row.LeaseExpiresAt.Time, Error: row.Error,
 		FirstSeen: row.FirstSeen.Time, ExpiresAt: row.ExpiresAt.Time,
+		LeaseRemaining: time.Duration(row.LeaseRemainingMs) * time.Millisecond,
 	}
 	if row.Result.Valid {
 		c.Result = row.Result.RawMessage
@@ -163,6 +213,10 @@ func (d sqlDriver) claim(ctx context.Context, a claimArgs) (*Claim, error) {
 func (d sqlDriver) complete(ctx context.Context, source, key string, token int64, result []byte) (string, error) {
 	return d.q.Complete(ctx, sqldb.CompleteParams{Source: source, Key: key, Token: token,
 		Result: sql.NullString{String: string(result), Valid: result != nil}})
+}
+
+func (d sqlDriver) completeUnstored(ctx context.Context, source, key string, token int64, reason string) (string, error) {
+	return d.q.CompleteUnstored(ctx, sqldb.CompleteUnstoredParams{Source: source, Key: key, Token: token, Reason: reason})
 }
 
 func (d sqlDriver) fail(ctx context.Context, source, key string, token int64, msg string, retryable bool) (string, error) {

@@ -1,6 +1,7 @@
 package idem
 
 import (
+	"context"
 	"errors"
 	"fmt"
 
@@ -13,8 +14,9 @@ import (
 // values that also unwrap to the *pgconn.PgError.
 var (
 	// ErrInvalidInput: an empty, blank, NULL, oversized, non-UTF-8 or
-	// NUL-containing source or key; a bad TTL or lease; a result that is not
-	// JSON. SQLSTATEs 22004, 22023, 22001, 22021, 22P02.
+	// NUL-containing source or key; a bad TTL, lease or lock wait; a result
+	// that is not JSON or holds a NUL character (\u0000). SQLSTATEs 22004,
+	// 22023, 22001, 22021, 22P02, 22P05.
 	ErrInvalidInput = errors.New("idem: invalid input")
 	// ErrResultTooLarge: the stored result would exceed 1 MiB (SQLSTATE 54000).
 	ErrResultTooLarge = errors.New("idem: result too large")
@@ -48,6 +50,11 @@ var (
 	// ErrLeaseLost: Do's work finished, but its lease had been lost and
 	// another worker re-acquired the key; its result was not stored.
 	ErrLeaseLost = errors.New("idem: lease lost while the work ran")
+	// ErrResultNotStored: Do's work ran and the key is completed, but its
+	// result could not be stored (the error also matches the cause:
+	// ErrResultTooLarge or ErrInvalidInput). Duplicates are answered as
+	// done, with no result.
+	ErrResultNotStored = errors.New("idem: the work ran and the key is completed, but its result could not be stored")
 )
 
 // Error is an error from PostgreSQL while running an idem operation.
@@ -131,7 +138,7 @@ func convert(op, source, key string, err error) error {
 	switch {
 	case errors.As(err, &pg):
 		switch pg.Code {
-		case "22004", "22023", "22001", "22021", "22P02":
+		case "22004", "22023", "22001", "22021", "22P02", "22P05":
 			e.Kind = ErrInvalidInput
 		case "54000":
 			e.Kind = ErrResultTooLarge
@@ -164,4 +171,36 @@ func outcomeErr(op, source, key, outcome string) error {
 	}
 	return &Error{Op: op, Source: source, Key: key, Kind: ErrNotMigrated,
 		Err: fmt.Errorf("unexpected outcome %q from idem.%s", outcome, op)}
+}
+
+// transient reports an error worth retrying on another attempt (another
+// pooled connection): a lost or refused connection, a serialization
+// failure or deadlock, resource exhaustion, an administrator's or pooler's
+// termination, a lock or statement timeout, a pooler's missing or duplicate
+// prepared statement. idem's own answers (invalid input, stale token) and
+// context errors are final.
+func transient(err error) bool {
+	if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		return false
+	}
+	for _, final := range []error{ErrInvalidInput, ErrResultTooLarge, ErrUnknownPolicy, ErrNotMigrated,
+		ErrIsolationNotSupported, ErrStaleToken, ErrNotFound, ErrInvalidConfig} {
+		if errors.Is(err, final) {
+			return false
+		}
+	}
+	var pg *pgconn.PgError
+	if errors.As(err, &pg) {
+		switch pg.Code[:2] {
+		case "08", "40", "53", "57", "58":
+			return true
+		}
+		switch pg.Code {
+		case "26000", "42P05", "55P03", "55006":
+			return true
+		}
+		return false
+	}
+	// Not an answer from the server: the connection failed or was lost.
+	return true
 }

@@ -18,14 +18,16 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
+	"errors"
+	"fmt"
 	"log/slog"
+	"math"
 	"strings"
 	"time"
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/idemkit/idem/db/pgxdb"
 	"github.com/idemkit/idem/db/sqldb"
 )
 
@@ -58,62 +60,127 @@ type Claim struct {
 	Error          string          // Failed: the recorded error; Acquired: the previous attempt's error, if any
 	FirstSeen      time.Time
 	ExpiresAt      time.Time // when the key's retention ends
-
-	lease time.Duration // the lease asked for (0: the source's policy)
+	// LeaseRemaining, by the database's clock: Acquired, the lease granted;
+	// InProgress, what is left of the holder's lease (0 when unknown, as
+	// for a claim still inside another open transaction).
+	LeaseRemaining time.Duration
 }
 
-// Config configures a Client. The zero value (or nil) is valid.
+// Config configures a Client. The zero value (or nil) is valid; every
+// field's zero value means its documented default.
 type Config struct {
 	// Logger receives warnings (a failed release after a panic, a lost
-	// lease). Default: slog.Default().
+	// lease, a retried record). Default: slog.Default().
 	Logger *slog.Logger
 	// HeartbeatFraction: Do extends the lease every lease*fraction while the
-	// work runs, when the client is backed by a pool. Default 1/3; a negative
-	// value turns the heartbeat off.
+	// work runs, when the client is backed by a pool, timed by the local
+	// monotonic clock from the lease length the database granted (never by
+	// comparing the two clocks). Default (0): 1/3. Must be below 1; a
+	// negative value turns the heartbeat off.
 	HeartbeatFraction float64
+	// RecordTimeout bounds how long Do keeps trying to record the work's
+	// outcome (complete, or fail) after the work returned. Recording is
+	// detached from the caller's context, so a caller that gave up (a
+	// sender that hung up) does not leave the key processing, and transient
+	// errors (lost connections, serialization failures, pooler errors) are
+	// retried with jittered backoff until then. Default (0): 30 seconds.
+	// Must not be negative.
+	RecordTimeout time.Duration
+	// LockWait bounds how long a claim waits for another claim of the same
+	// key whose transaction is still open; past it the claim answers
+	// InProgress. Default (0): the database's default, 5 seconds. A
+	// negative value answers at once. WithLockWait overrides it per claim.
+	LockWait time.Duration
+	// QueryExecMode is the pgx execution mode of the protocol's statements
+	// (New only). Default (0): pgx.QueryExecModeExec, which needs no named
+	// prepared statement and so works through PgBouncer in transaction
+	// mode whatever the pool's own default. pgx.QueryExecModeCacheStatement
+	// saves a little parsing on a direct connection.
+	QueryExecMode pgx.QueryExecMode
+}
+
+// Defaults of Config.
+const (
+	DefaultHeartbeatFraction = 1.0 / 3
+	DefaultRecordTimeout     = 30 * time.Second
+)
+
+// ErrInvalidConfig: a Config field is out of range. New and NewSQL return
+// a Client whose every call returns this error (wrapped, naming the field);
+// check Config.Validate first to fail at start-up.
+var ErrInvalidConfig = errors.New("idem: invalid config")
+
+// Validate reports a Config field out of range, as ErrInvalidConfig.
+func (c *Config) Validate() error {
+	if c == nil {
+		return nil
+	}
+	switch {
+	case c.HeartbeatFraction >= 1 || math.IsNaN(c.HeartbeatFraction):
+		return fmt.Errorf("%w: HeartbeatFraction %v must be below 1 (0 for the default 1/3, negative for no heartbeat)", ErrInvalidConfig, c.HeartbeatFraction)
+	case c.RecordTimeout < 0:
+		return fmt.Errorf("%w: RecordTimeout %v must not be negative (0 for the default %v)", ErrInvalidConfig, c.RecordTimeout, DefaultRecordTimeout)
+	case c.LockWait > time.Hour:
+		return fmt.Errorf("%w: LockWait %v is over 1 hour", ErrInvalidConfig, c.LockWait)
+	case c.QueryExecMode < 0 || c.QueryExecMode > pgx.QueryExecModeSimpleProtocol:
+		return fmt.Errorf("%w: QueryExecMode %d is not a pgx.QueryExecMode", ErrInvalidConfig, c.QueryExecMode)
+	}
+	return nil
 }
 
 // Client runs the protocol on one executor: a pool, a connection or a
 // transaction. It is cheap; create one per transaction with WithTx.
 type Client struct {
-	d   driver
-	cfg Config
+	d      driver
+	cfg    Config
+	cfgErr error
 }
 
 // New returns a Client over a pgx pool, connection or transaction.
 func New(db PgxExecutor, cfg *Config) *Client {
-	return &Client{d: pgxDriver{q: pgxdb.New(db), db: db}, cfg: defaults(cfg)}
+	c, err := defaults(cfg)
+	return &Client{d: newPgxDriver(db, c.QueryExecMode), cfg: c, cfgErr: err}
 }
 
 // NewSQL returns a Client over database/sql: a *sql.DB, *sql.Conn or *sql.Tx.
 func NewSQL(db SQLExecutor, cfg *Config) *Client {
-	return &Client{d: sqlDriver{q: sqldb.New(db), db: db}, cfg: defaults(cfg)}
+	c, err := defaults(cfg)
+	return &Client{d: sqlDriver{q: sqldb.New(db), db: db}, cfg: c, cfgErr: err}
 }
 
-func defaults(cfg *Config) Config {
+func defaults(cfg *Config) (Config, error) {
 	var c Config
 	if cfg != nil {
 		c = *cfg
+	}
+	if err := c.Validate(); err != nil {
+		return c, err
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
 	if c.HeartbeatFraction == 0 {
-		c.HeartbeatFraction = 1.0 / 3
+		c.HeartbeatFraction = DefaultHeartbeatFraction
 	}
-	return c
+	if c.RecordTimeout == 0 {
+		c.RecordTimeout = DefaultRecordTimeout
+	}
+	if c.QueryExecMode == 0 {
+		c.QueryExecMode = pgx.QueryExecModeExec
+	}
+	return c, nil
 }
 
 // WithTx returns a Client with the same configuration that runs inside tx.
 // Claiming inside the transaction that also writes your business data makes
 // the two commit or roll back together.
 func (c *Client) WithTx(tx pgx.Tx) *Client {
-	return &Client{d: pgxDriver{q: pgxdb.New(tx), db: tx}, cfg: c.cfg}
+	return &Client{d: newPgxDriver(tx, c.cfg.QueryExecMode), cfg: c.cfg, cfgErr: c.cfgErr}
 }
 
 // WithSQLTx is WithTx for database/sql.
 func (c *Client) WithSQLTx(tx *sql.Tx) *Client {
-	return &Client{d: sqlDriver{q: sqldb.New(tx), db: tx}, cfg: c.cfg}
+	return &Client{d: sqlDriver{q: sqldb.New(tx), db: tx}, cfg: c.cfg, cfgErr: c.cfgErr}
 }
 
 // ClaimOption adjusts one claim.
@@ -129,12 +196,26 @@ func WithTTL(d time.Duration) ClaimOption { return func(a *claimArgs) { a.ttl = 
 // WithLease overrides the source's lease (1 second to 7 days).
 func WithLease(d time.Duration) ClaimOption { return func(a *claimArgs) { a.lease = d } }
 
+// WithLockWait bounds how long this claim waits for another claim of the
+// same key whose transaction is still open (0: not at all, at most 1
+// hour); past it the claim answers InProgress. Overrides Config.LockWait.
+func WithLockWait(d time.Duration) ClaimOption { return func(a *claimArgs) { a.lockWait = &d } }
+
 // WithEventType records the event type (informational, for stats).
 func WithEventType(t string) ClaimOption { return func(a *claimArgs) { a.eventType = t } }
 
 // Claim asks to own the work for (source, key).
 func (c *Client) Claim(ctx context.Context, source, key string, opts ...ClaimOption) (*Claim, error) {
+	if c.cfgErr != nil {
+		return nil, c.cfgErr
+	}
 	a := claimArgs{source: source, key: key}
+	switch {
+	case c.cfg.LockWait < 0:
+		a.lockWait = new(time.Duration)
+	case c.cfg.LockWait > 0:
+		a.lockWait = &c.cfg.LockWait
+	}
 	for _, o := range opts {
 		o(&a)
 	}
@@ -145,7 +226,6 @@ func (c *Client) Claim(ctx context.Context, source, key string, opts ...ClaimOpt
 	if err != nil {
 		return nil, convert("claim", source, key, err)
 	}
-	cl.lease = a.lease
 	return cl, nil
 }
 
@@ -153,6 +233,9 @@ func (c *Client) Claim(ctx context.Context, source, key string, opts ...ClaimOpt
 // token. It returns ErrStaleToken if another worker owns the key now, and
 // nil when the same token already completed it.
 func (c *Client) Complete(ctx context.Context, source, key string, token int64, result json.RawMessage) error {
+	if c.cfgErr != nil {
+		return c.cfgErr
+	}
 	if err := checkText("complete", source, key); err != nil {
 		return err
 	}
@@ -167,10 +250,31 @@ func (c *Client) Complete(ctx context.Context, source, key string, token int64, 
 	return outcomeErr("complete", source, key, out)
 }
 
+// CompleteUnstored marks the work owned by token done without a result:
+// the work ran, but its result cannot be stored (too large, not JSON, a NUL
+// character). Later claims answer Completed with no Result and Claim.Error
+// giving reason, instead of running the work again. Do calls it by itself.
+func (c *Client) CompleteUnstored(ctx context.Context, source, key string, token int64, reason string) error {
+	if c.cfgErr != nil {
+		return c.cfgErr
+	}
+	if err := checkText("complete", source, key); err != nil {
+		return err
+	}
+	out, err := c.d.completeUnstored(ctx, source, key, token, sanitize(reason))
+	if err != nil {
+		return convert("complete", source, key, err)
+	}
+	return outcomeErr("complete", source, key, out)
+}
+
 // Fail records a failure of the work owned by token. A retryable failure
 // lets the next claim re-acquire the key; a permanent one answers Failed
 // until the key expires.
 func (c *Client) Fail(ctx context.Context, source, key string, token int64, msg string, retryable bool) error {
+	if c.cfgErr != nil {
+		return c.cfgErr
+	}
 	if err := checkText("fail", source, key); err != nil {
 		return err
 	}
@@ -184,6 +288,9 @@ func (c *Client) Fail(ctx context.Context, source, key string, token int64, msg 
 // Extend pushes the lease of the work owned by token to now+lease (the
 // source's policy lease when lease is 0) and returns the new expiry.
 func (c *Client) Extend(ctx context.Context, source, key string, token int64, lease time.Duration) (time.Time, error) {
+	if c.cfgErr != nil {
+		return time.Time{}, c.cfgErr
+	}
 	if err := checkText("extend", source, key); err != nil {
 		return time.Time{}, err
 	}

@@ -8,7 +8,10 @@
 // the first is still in flight is 409 with Retry-After, the same key with a
 // different payload is 422, an oversized request body is 413. A handler
 // that answers 5xx or panics releases the key, so the sender's retry runs
-// it again; 2xx and 4xx answers are stored and replayed.
+// it again; 2xx and 4xx answers are stored and replayed. The handler runs
+// detached from the request's context, under Config.HandlerTimeout: a
+// sender that times out and hangs up neither cancels the work nor keeps
+// its answer from being recorded.
 //
 // Presets extract the key the way real senders send it: Stripe (event id
 // in the body), GitHub (X-GitHub-Delivery), Shopify (X-Shopify-Event-Id),
@@ -35,6 +38,7 @@ import (
 const (
 	DefaultMaxRequestBody  = 1 << 20   // 1 MiB
 	DefaultMaxResponseBody = 512 << 10 // 512 KiB: stored base64 inside idem's 1 MiB result cap
+	DefaultHandlerTimeout  = time.Minute
 )
 
 // KeyFunc extracts the idempotency key (and, optionally, the event type)
@@ -63,9 +67,10 @@ type Config struct {
 	PassThroughMissingKey bool
 	// MaxRequestBody caps the request body (413 past it). Default 1 MiB.
 	MaxRequestBody int64
-	// MaxResponseBody caps the stored response. A larger response is sent
-	// but not stored, and the key is released (a duplicate runs the handler
-	// again). Default 512 KiB.
+	// MaxResponseBody caps the stored response body. A larger response is
+	// sent in full, and stored without its body (status and replay headers
+	// only, Response.BodyOmitted): the handler ran, so a duplicate is
+	// answered with that status instead of running it again. Default 512 KiB.
 	MaxResponseBody int
 	// ReplayHeaders are the response headers stored and replayed.
 	// Default: Content-Type, Content-Language, Location, Cache-Control, ETag.
@@ -78,6 +83,12 @@ type Config struct {
 	// extended while the handler runs, so it only needs to outlast a
 	// crashed worker's silence.
 	TTL, Lease time.Duration
+	// HandlerTimeout is the server's own deadline for the handler. The
+	// handler's context is detached from the request's: a sender that
+	// times out and hangs up does not cancel work that has started, and
+	// its answer is still recorded, so the sender's retry is answered from
+	// it instead of running the work again. Default (0) 1 minute.
+	HandlerTimeout time.Duration
 	// Logger receives warnings. Default slog.Default().
 	Logger *slog.Logger
 }
@@ -88,6 +99,9 @@ type Response struct {
 	Status  int                 `json:"status"`
 	Headers map[string][]string `json:"headers,omitempty"`
 	Body    []byte              `json:"body"` // base64 in JSON
+	// BodyOmitted: the body was over MaxResponseBody and was not stored;
+	// a replay sends the status and headers with an empty body.
+	BodyOmitted bool `json:"body_omitted,omitempty"`
 }
 
 // ReplayedHeader marks a replayed response.
@@ -116,6 +130,15 @@ func New(cfg Config) (func(http.Handler) http.Handler, error) {
 	if cfg.MaxRequestBody < 0 || cfg.MaxResponseBody < 0 {
 		return nil, errors.New("idemhttp: body caps must not be negative")
 	}
+	if cfg.TTL < 0 || cfg.Lease < 0 {
+		return nil, fmt.Errorf("idemhttp: TTL %v and Lease %v must not be negative (0: the source's policy)", cfg.TTL, cfg.Lease)
+	}
+	if cfg.HandlerTimeout < 0 {
+		return nil, fmt.Errorf("idemhttp: HandlerTimeout %v must not be negative (0: the default %v)", cfg.HandlerTimeout, DefaultHandlerTimeout)
+	}
+	if cfg.HandlerTimeout == 0 {
+		cfg.HandlerTimeout = DefaultHandlerTimeout
+	}
 	if cfg.ReplayHeaders == nil {
 		cfg.ReplayHeaders = []string{"Content-Type", "Content-Language", "Location", "Cache-Control", "ETag"}
 	}
@@ -139,9 +162,6 @@ type middleware struct {
 type errRetry struct{ status int }
 
 func (e errRetry) Error() string { return fmt.Sprintf("handler answered %d", e.status) }
-
-// errTooLarge marks a response too large to store.
-var errTooLarge = errors.New("response too large to store")
 
 func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, m.cfg.MaxRequestBody))
@@ -182,15 +202,20 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		opts = append(opts, idem.WithLease(m.cfg.Lease))
 	}
 
+	// Detached from the request: once the handler starts, the sender
+	// hanging up must not cancel it or keep its answer from being recorded.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), m.cfg.HandlerTimeout)
+	defer cancel()
 	var rec *recorder
-	res, err := m.cfg.Client.Do(r.Context(), m.cfg.Source, key, func(ctx context.Context) (any, error) {
+	res, err := m.cfg.Client.Do(ctx, m.cfg.Source, key, func(ctx context.Context) (any, error) {
 		rec = newRecorder(m.cfg.MaxResponseBody)
 		m.next.ServeHTTP(rec, r.WithContext(ctx))
-		if rec.overflow {
-			return nil, errTooLarge
-		}
 		if !m.cfg.Store(rec.status()) {
 			return nil, errRetry{rec.status()}
+		}
+		if rec.overflow {
+			m.cfg.Logger.LogAttrs(ctx, slog.LevelWarn, "idemhttp: response body too large to store; stored its status and headers only",
+				slog.String("source", m.cfg.Source), slog.String("key", key), slog.Int("limit", m.cfg.MaxResponseBody))
 		}
 		return m.stored(rec), nil
 	}, opts...)
@@ -201,9 +226,9 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	case err == nil:
 		rec.flushTo(w)
 	case errors.Is(err, idem.ErrInProgress):
-		retry := 1
-		if res != nil && res.Claim != nil && !res.Claim.LeaseExpiresAt.IsZero() {
-			retry = max(1, int(math.Ceil(time.Until(res.Claim.LeaseExpiresAt).Seconds())))
+		retry := 1 // by the database's clock, never compared with ours
+		if res != nil && res.Claim != nil {
+			retry = max(1, int(math.Ceil(res.Claim.LeaseRemaining.Seconds())))
 		}
 		problem(w, http.StatusConflict, "Request in progress",
 			"A request with this idempotency key is being processed; retry later.",
@@ -217,12 +242,14 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		problem(w, http.StatusUnprocessableEntity, "Request failed permanently", fe.Message, nil)
 	case errors.Is(err, idem.ErrInvalidInput):
 		problem(w, http.StatusBadRequest, "Invalid idempotency key", err.Error(), nil)
-	case rec != nil && (errors.As(err, new(errRetry)) || errors.Is(err, errTooLarge)):
+	case rec != nil && errors.Is(err, idem.ErrResultNotStored):
+		// The handler ran and the key is completed without its answer
+		// (duplicates get 200 with no body): send this run's answer.
+		m.cfg.Logger.LogAttrs(r.Context(), slog.LevelWarn, "idemhttp: the response could not be stored; the key is completed without it",
+			slog.String("source", m.cfg.Source), slog.String("key", key), slog.Any("error", err))
+		rec.flushTo(w)
+	case rec != nil && errors.As(err, new(errRetry)):
 		// The handler answered; its answer was not stored. Send it as is.
-		if errors.Is(err, errTooLarge) {
-			m.cfg.Logger.LogAttrs(r.Context(), slog.LevelWarn, "idemhttp: response too large to store; the key was released",
-				slog.String("source", m.cfg.Source), slog.String("key", key), slog.Int("limit", m.cfg.MaxResponseBody))
-		}
 		rec.flushTo(w)
 	case rec != nil && errors.As(err, new(*idem.PanicError)):
 		m.cfg.Logger.LogAttrs(r.Context(), slog.LevelError, "idemhttp: handler panicked; the key was released",
@@ -248,6 +275,9 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 
 func (m *middleware) stored(rec *recorder) Response {
 	resp := Response{Status: rec.status(), Body: rec.body.Bytes(), Headers: map[string][]string{}}
+	if rec.overflow {
+		resp.Body, resp.BodyOmitted = nil, true
+	}
 	for _, h := range m.cfg.ReplayHeaders {
 		if v := rec.header.Values(h); len(v) > 0 {
 			resp.Headers[http.CanonicalHeaderKey(h)] = v

@@ -8,7 +8,8 @@ import (
 func newReader(b []byte) *bytes.Reader { return bytes.NewReader(b) }
 
 // recorder buffers the handler's response so that it can be stored before
-// it is sent. Past max bytes it keeps counting but stops buffering.
+// it is sent. The whole body is buffered (it is sent in full); past max
+// bytes, overflow is set and the body is not stored.
 type recorder struct {
 	header   http.Header
 	code     int

@@ -23,7 +23,7 @@ func (q *Queries) CreatePartition(ctx context.Context, month pgtype.Date) (strin
 }
 
 const currentMonth = `-- name: CurrentMonth :one
-SELECT date_trunc('month', idem.clock(), 'UTC')::date AS month
+SELECT idem.utc_month(idem.clock())::date AS month
 `
 
 func (q *Queries) CurrentMonth(ctx context.Context) (pgtype.Date, error) {
@@ -189,6 +189,8 @@ SELECT e.source::text                                                        AS 
        count(*)::bigint                                                      AS keys,
        (count(*) FILTER (WHERE e.status = 'processing'))::bigint             AS processing,
        (count(*) FILTER (WHERE e.status = 'completed'))::bigint              AS completed,
+       (count(*) FILTER (WHERE e.status = 'completed'
+                          AND e.last_error IS NOT NULL))::bigint             AS unstored,
        (count(*) FILTER (WHERE e.status = 'failed'))::bigint                 AS failed,
        coalesce(sum(e.duplicates), 0)::bigint                                AS duplicates,
        (count(*) FILTER (WHERE e.attempts > 1))::bigint                      AS retried,
@@ -207,6 +209,7 @@ type SourceStatsRow struct {
 	Keys       int64
 	Processing int64
 	Completed  int64
+	Unstored   int64
 	Failed     int64
 	Duplicates int64
 	Retried    int64
@@ -232,6 +235,7 @@ func (q *Queries) SourceStats(ctx context.Context) ([]SourceStatsRow, error) {
 			&i.Keys,
 			&i.Processing,
 			&i.Completed,
+			&i.Unstored,
 			&i.Failed,
 			&i.Duplicates,
 			&i.Retried,

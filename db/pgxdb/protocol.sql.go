@@ -15,19 +15,21 @@ const claim = `-- name: Claim :one
 
 SELECT c.outcome::text             AS outcome,
        coalesce(c.token, 0)::bigint AS token,
-       c.attempt::integer          AS attempt,
+       coalesce(c.attempt, 0)::integer AS attempt,
        c.lease_expires_at::timestamptz AS lease_expires_at,
        c.result::jsonb             AS result,
        coalesce(c.error, '')::text AS error,
        c.first_seen::timestamptz   AS first_seen,
-       c.expires_at::timestamptz   AS expires_at
+       c.expires_at::timestamptz   AS expires_at,
+       coalesce(floor(extract(epoch FROM c.lease_remaining) * 1000), 0)::bigint AS lease_remaining_ms
   FROM idem.claim(
          $1::text,
          $2::text,
          $3::text,
          $4::bigint * interval '1 millisecond',
          $5::bigint * interval '1 millisecond',
-         $6::text) AS c
+         $6::text,
+         $7::bigint * interval '1 millisecond') AS c
 `
 
 type ClaimParams struct {
@@ -37,22 +39,26 @@ type ClaimParams struct {
 	TtlMs       *int64
 	LeaseMs     *int64
 	EventType   *string
+	LockWaitMs  *int64
 }
 
 type ClaimRow struct {
-	Outcome        string
-	Token          int64
-	Attempt        int32
-	LeaseExpiresAt pgtype.Timestamptz
-	Result         []byte
-	Error          string
-	FirstSeen      pgtype.Timestamptz
-	ExpiresAt      pgtype.Timestamptz
+	Outcome          string
+	Token            int64
+	Attempt          int32
+	LeaseExpiresAt   pgtype.Timestamptz
+	Result           []byte
+	Error            string
+	FirstSeen        pgtype.Timestamptz
+	ExpiresAt        pgtype.Timestamptz
+	LeaseRemainingMs int64
 }
 
 // The claim protocol. Every query calls one idem.* function; the columns are
 // cast so that sqlc generates precise types instead of interface{}.
 // Durations travel as milliseconds so both drivers agree on their type.
+// lease_remaining_ms: the lease granted (acquired) or left (in_progress), by
+// the database's clock; 0 when unknown.
 func (q *Queries) Claim(ctx context.Context, arg ClaimParams) (ClaimRow, error) {
 	row := q.db.QueryRow(ctx, claim,
 		arg.Source,
@@ -61,6 +67,7 @@ func (q *Queries) Claim(ctx context.Context, arg ClaimParams) (ClaimRow, error) 
 		arg.TtlMs,
 		arg.LeaseMs,
 		arg.EventType,
+		arg.LockWaitMs,
 	)
 	var i ClaimRow
 	err := row.Scan(
@@ -72,6 +79,7 @@ func (q *Queries) Claim(ctx context.Context, arg ClaimParams) (ClaimRow, error) 
 		&i.Error,
 		&i.FirstSeen,
 		&i.ExpiresAt,
+		&i.LeaseRemainingMs,
 	)
 	return i, err
 }
@@ -94,6 +102,30 @@ func (q *Queries) Complete(ctx context.Context, arg CompleteParams) (string, err
 		arg.Key,
 		arg.Token,
 		arg.Result,
+	)
+	var outcome string
+	err := row.Scan(&outcome)
+	return outcome, err
+}
+
+const completeUnstored = `-- name: CompleteUnstored :one
+SELECT idem.complete_unstored($1::text, $2::text, $3::bigint,
+                              $4::text)::text AS outcome
+`
+
+type CompleteUnstoredParams struct {
+	Source string
+	Key    string
+	Token  int64
+	Reason string
+}
+
+func (q *Queries) CompleteUnstored(ctx context.Context, arg CompleteUnstoredParams) (string, error) {
+	row := q.db.QueryRow(ctx, completeUnstored,
+		arg.Source,
+		arg.Key,
+		arg.Token,
+		arg.Reason,
 	)
 	var outcome string
 	err := row.Scan(&outcome)

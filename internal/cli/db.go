@@ -137,12 +137,12 @@ func (g *globals) connectMigrated(ctx context.Context, env Env, maxConns int32) 
 func requireMigrated(ctx context.Context, pool *pgxpool.Pool) error {
 	var ok bool
 	err := pool.QueryRow(ctx, `SELECT to_regclass('idem.processed_events') IS NOT NULL
-	                              AND to_regprocedure('idem.claim(text,text,text,interval,interval,text)') IS NOT NULL`).Scan(&ok)
+	                              AND to_regprocedure('idem.claim(text,text,text,interval,interval,text,interval)') IS NOT NULL`).Scan(&ok)
 	if err != nil {
 		return withCode(ExitError, fmt.Errorf("check for schema idem: %w", err))
 	}
 	if !ok {
-		return withCode(ExitNotMigrated, errors.New("schema idem is not installed in this database: run `idemctl migrate up` first"))
+		return withCode(ExitNotMigrated, errors.New("schema idem is not installed in this database, or is older than this idemctl: run `idemctl migrate up` first"))
 	}
 	return nil
 }

@@ -42,7 +42,7 @@ func TestBadInvocations(t *testing.T) {
 		{"unreachable", none, []string{"stats", "--database-url", "postgres://u:hunter2@127.0.0.1:1/x?connect_timeout=2"}, ExitUnreachable, "cannot reach the database at 127.0.0.1:1: connect: connection refused"},
 		{"unknown database", none, []string{"stats", "--database-url", strings.Replace(testdb.URLFor(t, "no_such_db"), "dbname=no_such_db", "dbname=no_such_db", 1)}, ExitUnreachable, `database "no_such_db" does not exist`},
 		{"unknown role", none, []string{"stats", "--database-url", migrated + " user=nobody_here password=hunter2"}, ExitUnreachable, `refused login for user "nobody_here"`},
-		{"not migrated", none, []string{"prune", "--database-url", empty}, ExitNotMigrated, "schema idem is not installed in this database: run `idemctl migrate up` first"},
+		{"not migrated", none, []string{"prune", "--database-url", empty}, ExitNotMigrated, "schema idem is not installed in this database, or is older than this idemctl: run `idemctl migrate up` first"},
 		{"not migrated check", none, []string{"check", "--database-url", empty}, ExitNotMigrated, "run `idemctl migrate up` first"},
 	}
 	for _, tc := range cases {

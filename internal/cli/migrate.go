@@ -17,7 +17,7 @@ func init() {
 
 func runMigrate(ctx context.Context, io IO, g *globals, args []string) error {
 	fs := newFlagSet("migrate", io, g)
-	to := fs.Int64("to", -1, "with down: migrate down to this version (0 removes everything but the schema)")
+	to := fs.Int64("to", -1, "up: apply migrations up to this version; down: roll back to this version (0 removes everything but the schema)")
 	if len(args) == 0 {
 		return usageErr("migrate needs a subcommand: up, down, status or version")
 	}
@@ -50,7 +50,12 @@ func runMigrate(ctx context.Context, io IO, g *globals, args []string) error {
 	}
 	switch sub {
 	case "up":
-		res, err := p.Up(ctx)
+		var res []*goose.MigrationResult
+		if *to >= 0 {
+			res, err = p.UpTo(ctx, *to)
+		} else {
+			res, err = p.Up(ctx)
+		}
 		for _, r := range res {
 			fmt.Fprintf(io.Out, "applied %s (%s)\n", r.Source.Path, r.Duration.Round(1e6))
 		}

@@ -88,7 +88,7 @@ func runDaemon(ctx context.Context, io IO, g *globals, args []string) error {
 	// again.
 	c := cron.New(cron.WithParser(cronParser), cron.WithLogger(cl),
 		cron.WithChain(cron.SkipIfStillRunning(cl), cron.Recover(cl)))
-	c.Schedule(pruneSched, m.job(ctx, log, "prune", func(ctx context.Context) (string, error) {
+	pruneID := c.Schedule(pruneSched, m.job(ctx, log, "prune", func(ctx context.Context) (string, error) {
 		res, err := prune.Run(ctx, pool, pf.cfg)
 		if err != nil {
 			return "error", err
@@ -101,7 +101,7 @@ func runDaemon(ctx context.Context, io IO, g *globals, args []string) error {
 			slog.Int("batches", res.Batches), slog.String("stopped", res.Stopped))
 		return "ok", nil
 	}))
-	c.Schedule(rotateSched, m.job(ctx, log, "rotate", func(ctx context.Context) (string, error) {
+	rotateID := c.Schedule(rotateSched, m.job(ctx, log, "rotate", func(ctx context.Context) (string, error) {
 		res, err := partition.Rotate(ctx, pool, rf.cfg)
 		if err != nil {
 			return "error", err
@@ -128,6 +128,14 @@ func runDaemon(ctx context.Context, io IO, g *globals, args []string) error {
 	c.Start()
 	log.LogAttrs(ctx, slog.LevelInfo, "idemctl run started",
 		slog.String("prune_schedule", *pruneSpec), slog.String("rotate_schedule", *rotateSpec))
+	// Once at start, rotation then prune, through the same chain (a run of
+	// the schedule that comes meanwhile is skipped, not doubled): a daemon
+	// restarted after a long stop, or with a daily rotation, does not wait
+	// for its first tick.
+	go func() {
+		c.Entry(rotateID).WrappedJob.Run()
+		c.Entry(pruneID).WrappedJob.Run()
+	}()
 
 	<-ctx.Done()
 	log.LogAttrs(context.Background(), slog.LevelInfo, "shutting down: waiting for running jobs")

@@ -184,3 +184,47 @@ func TestRunSIGTERM(t *testing.T) {
 		t.Fatalf("no clean shutdown in the log:\n%s", out.String())
 	}
 }
+
+// TestRunOnceAtStart: with schedules that do not come due during the test,
+// the daemon still rotates and prunes once as it starts.
+func TestRunOnceAtStart(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.Pool(t, url, 2)
+	seedRows(t, pool, "exp-", monthStart(time.Now(), 0), 50, true, false)
+	addr := freeAddr(t)
+	var out, errw syncBuffer
+	code := make(chan int, 1)
+	go func() {
+		code <- Main(ctx, []string{"run", "--database-url", url, "--listen", addr,
+			"--prune-schedule", "@monthly", "--rotate-schedule", "@monthly", "--sleep", "1ms"},
+			&out, &errw, func(string) string { return "" })
+	}()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		var metrics string
+		if resp, err := http.Get("http://" + addr + "/metrics"); err == nil { // not listening yet: try again
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			metrics = string(b)
+		}
+		if strings.Contains(metrics, `idem_job_runs_total{job="prune",result="ok"} 1`) &&
+			strings.Contains(metrics, `idem_job_runs_total{job="rotate",result="ok"} 1`) &&
+			strings.Contains(metrics, `idem_prune_rows_deleted_total 50`) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no rotation and prune at start:\n%s\n%s", metrics, errw.String())
+		}
+		select {
+		case c := <-code:
+			t.Fatalf("daemon exited early with %d: %s", c, errw.String())
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	cancel()
+	if c := <-code; c != 0 {
+		t.Fatalf("exit %d after shutdown: %s", c, errw.String())
+	}
+}

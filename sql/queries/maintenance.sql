@@ -42,7 +42,7 @@ SELECT idem.drop_detached(sqlc.arg(name)::text::regclass)::text AS result;
 SELECT count(*)::bigint AS rows FROM idem.processed_events_default;
 
 -- name: CurrentMonth :one
-SELECT date_trunc('month', idem.clock(), 'UTC')::date AS month;
+SELECT idem.utc_month(idem.clock())::date AS month;
 
 -- name: SourceStats :many
 -- Per source: keys by status, duplicates absorbed, stuck and expired keys.
@@ -51,6 +51,8 @@ SELECT e.source::text                                                        AS 
        count(*)::bigint                                                      AS keys,
        (count(*) FILTER (WHERE e.status = 'processing'))::bigint             AS processing,
        (count(*) FILTER (WHERE e.status = 'completed'))::bigint              AS completed,
+       (count(*) FILTER (WHERE e.status = 'completed'
+                          AND e.last_error IS NOT NULL))::bigint             AS unstored,
        (count(*) FILTER (WHERE e.status = 'failed'))::bigint                 AS failed,
        coalesce(sum(e.duplicates), 0)::bigint                                AS duplicates,
        (count(*) FILTER (WHERE e.attempts > 1))::bigint                      AS retried,

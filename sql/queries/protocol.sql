@@ -3,25 +3,33 @@
 -- Durations travel as milliseconds so both drivers agree on their type.
 
 -- name: Claim :one
+-- lease_remaining_ms: the lease granted (acquired) or left (in_progress), by
+-- the database's clock; 0 when unknown.
 SELECT c.outcome::text             AS outcome,
        coalesce(c.token, 0)::bigint AS token,
-       c.attempt::integer          AS attempt,
+       coalesce(c.attempt, 0)::integer AS attempt,
        c.lease_expires_at::timestamptz AS lease_expires_at,
        c.result::jsonb             AS result,
        coalesce(c.error, '')::text AS error,
        c.first_seen::timestamptz   AS first_seen,
-       c.expires_at::timestamptz   AS expires_at
+       c.expires_at::timestamptz   AS expires_at,
+       coalesce(floor(extract(epoch FROM c.lease_remaining) * 1000), 0)::bigint AS lease_remaining_ms
   FROM idem.claim(
          sqlc.arg(source)::text,
          sqlc.arg(key)::text,
          sqlc.narg(fingerprint)::text,
          sqlc.narg(ttl_ms)::bigint * interval '1 millisecond',
          sqlc.narg(lease_ms)::bigint * interval '1 millisecond',
-         sqlc.narg(event_type)::text) AS c;
+         sqlc.narg(event_type)::text,
+         sqlc.narg(lock_wait_ms)::bigint * interval '1 millisecond') AS c;
 
 -- name: Complete :one
 SELECT idem.complete(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.arg(token)::bigint,
                      sqlc.narg(result)::text::jsonb)::text AS outcome;
+
+-- name: CompleteUnstored :one
+SELECT idem.complete_unstored(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.arg(token)::bigint,
+                              sqlc.arg(reason)::text)::text AS outcome;
 
 -- name: Fail :one
 SELECT idem.fail(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.arg(token)::bigint,
