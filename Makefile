@@ -33,7 +33,7 @@ fuzz:
 # The long reliability run (docs/reliability.md): 50,000 keys x 16, five
 # server restarts, 5,000 crashed keys.
 soak:
-	IDEM_SOAK=1 go test -count=1 -v -timeout 60m -run 'TestDuplicateStorm|TestCrashMidWork|TestServerRestart' ./internal/reliability
+	IDEM_SOAK=1 go test -count=1 -v -timeout 60m -run 'TestDuplicateStorm|TestCrashMidWork|TestServerRestart|TestSenderHangsUpMidHandler|TestRecordingFailures|TestClockSkew|TestDuplicateBehindOpenTransaction' ./internal/reliability
 
 # The benchmark suite (docs/performance.md); BENCHFLAGS=-full for the full sizes.
 bench:

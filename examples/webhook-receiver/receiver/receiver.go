@@ -88,7 +88,12 @@ CREATE TABLE IF NOT EXISTS payments (
 )`
 
 func (rc *Receiver) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	ctx := r.Context()
+	// Detached from the request: Stripe hangs up after about 10 seconds,
+	// and work that has started (a payment, an email) must finish and be
+	// recorded anyway, or Stripe's retry would do it again. The receiver's
+	// own deadline bounds it instead.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), time.Minute)
+	defer cancel()
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, 1<<20))
 	if err != nil {
 		http.Error(w, "body too large", http.StatusRequestEntityTooLarge)
