@@ -284,3 +284,18 @@ func TestConcurrentIdenticalRequests(t *testing.T) {
 	}
 	t.Logf("%d replays, %d conflicts (409)", replays.Load(), conflicts.Load())
 }
+
+func TestConfigRefused(t *testing.T) {
+	t.Parallel()
+	c := idem.New(nil, nil)
+	for name, cfg := range map[string]idemhttp.Config{
+		"negative TTL":             {Client: c, Source: "s", TTL: -time.Second},
+		"negative lease":           {Client: c, Source: "s", Lease: -time.Second},
+		"negative handler timeout": {Client: c, Source: "s", HandlerTimeout: -time.Second},
+		"negative body cap":        {Client: c, Source: "s", MaxRequestBody: -1},
+	} {
+		if _, err := idemhttp.New(cfg); err == nil {
+			t.Errorf("%s: accepted", name)
+		}
+	}
+}
