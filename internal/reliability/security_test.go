@@ -265,3 +265,37 @@ func TestHostileSources(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestTokenGuessing: fencing tokens are random, so knowing one key's token
+// says nothing of another's. 50 keys claimed one after the other; 2,001
+// guesses around the first key's token (a sequence would hand out the next
+// ones) against each of the other 49 keys complete none of them.
+func TestTokenGuessing(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t, testdb.New(t), 4)
+	c := idem.New(pool, nil)
+	var known int64
+	for i := range 50 {
+		cl, err := c.Claim(ctx, "guess", fmt.Sprintf("k%02d", i))
+		if err != nil || cl.Outcome != idem.Acquired {
+			t.Fatalf("claim: %+v %v", cl, err)
+		}
+		if i == 0 {
+			known = cl.Token
+		}
+	}
+	var completed int
+	if err := pool.QueryRow(ctx, `
+		SELECT count(*) FROM generate_series(-1000, 1000) g, idem.processed_events e
+		 WHERE e.source = 'guess' AND e.key <> 'k00'
+		   AND idem.complete(e.source, e.key, $1::bigint + g, '{"forged": true}') = 'completed'`, known).Scan(&completed); err != nil {
+		t.Fatal(err)
+	}
+	if completed != 0 {
+		t.Fatalf("%d keys completed by guessing tokens around a known one", completed)
+	}
+	if n := count(t, pool, `SELECT count(*)::int FROM idem.processed_events WHERE source = 'guess' AND status = 'processing'`); n != 50 {
+		t.Fatalf("%d of 50 keys still processing", n)
+	}
+}

@@ -13,6 +13,9 @@
 --   stored, so a retry is told "completed" instead of running the work
 --   again; the reason stays in last_error and claim reports it.
 -- * idem.fail answers 'failed' again for a retried call with the same token.
+-- * Fencing tokens are random 63-bit numbers (idem.new_token), not a
+--   sequence: a role allowed to call idem.complete cannot guess another
+--   worker's token from its own. Fencing is unchanged.
 -- * Rotation's default premake (3 months) is made at once, so a fresh
 --   install passes `idemctl check`.
 --
@@ -25,6 +28,20 @@
 CREATE OR REPLACE FUNCTION idem.utc_month(ts timestamptz) RETURNS date
     LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$ SELECT pg_catalog.date_trunc('month', ts AT TIME ZONE 'UTC')::date $$;
+-- +goose StatementEnd
+
+-- +goose StatementBegin
+-- A fencing token: 63 random bits from the server's strong random source
+-- (gen_random_uuid, core since PostgreSQL 13), never 0. Unguessable from
+-- another token; two equal tokens for one key are a 2^-63 chance.
+CREATE OR REPLACE FUNCTION idem.new_token() RETURNS bigint
+    LANGUAGE sql VOLATILE PARALLEL SAFE
+AS $$ SELECT greatest(('x' || pg_catalog.substr(pg_catalog.md5(pg_catalog.gen_random_uuid()::text), 1, 16))::bit(64)::bigint
+                                 & 9223372036854775807, 1) $$;
+-- +goose StatementEnd
+
+-- +goose StatementBegin
+REVOKE ALL ON FUNCTION idem.new_token() FROM PUBLIC;
 -- +goose StatementEnd
 
 -- +goose StatementBegin
@@ -484,7 +501,7 @@ BEGIN
                 UPDATE idem.processed_events e
                    SET status = 'processing',
                        attempts = e.attempts + 1,
-                       token = nextval('idem.token_seq'),
+                       token = idem.new_token(),
                        lease_expires_at = v_now + v_lease,
                        retryable = NULL,
                        updated_at = v_now,
@@ -506,7 +523,7 @@ BEGIN
                    (source, key, first_seen_month, event_type, status, attempts, token,
                     lease_expires_at, fingerprint, first_seen, updated_at, expires_at)
             VALUES (claim.source, claim.key, date_trunc('month', v_now AT TIME ZONE 'UTC')::date, claim.event_type,
-                    'processing', 1, nextval('idem.token_seq'), v_now + v_lease, claim.fingerprint, v_now, v_now,
+                    'processing', 1, idem.new_token(), v_now + v_lease, claim.fingerprint, v_now, v_now,
                     v_now + greatest(v_ttl, v_lease))
             ON CONFLICT DO NOTHING
             RETURNING e.* INTO r;
@@ -1053,4 +1070,8 @@ $$;
 
 -- +goose StatementBegin
 DROP FUNCTION IF EXISTS idem.utc_month(timestamptz);
+-- +goose StatementEnd
+
+-- +goose StatementBegin
+DROP FUNCTION IF EXISTS idem.new_token();
 -- +goose StatementEnd
