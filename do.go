@@ -117,10 +117,14 @@ func (c *Client) Do(ctx context.Context, source, key string, fn func(ctx context
 		return res, fmt.Errorf("%w: %w", ErrLeaseLost, err)
 	}
 	if !unstorable(err) {
-		// Not recorded within RecordTimeout: the key stays processing until
-		// its lease ends, and then runs again (docs/design.md).
-		c.cfg.Logger.LogAttrs(ctx, slog.LevelError, "idem: the work ran but could not be recorded; it will run again after the lease ends",
-			slog.String("source", source), slog.String("key", key), slog.Any("error", err))
+		if c.d.concurrent() {
+			// Not recorded within RecordTimeout: the key stays processing
+			// until its lease ends, and then runs again (docs/design.md).
+			c.cfg.Logger.LogAttrs(ctx, slog.LevelError, "idem: the work ran but could not be recorded; it will run again after the lease ends",
+				slog.String("source", source), slog.String("key", key), slog.Any("error", err))
+		}
+		// In the caller's transaction, the claim and the work's writes roll
+		// back with it: the caller sees the error and retries.
 		return res, err
 	}
 	// The work ran and its result cannot be stored: complete the key
