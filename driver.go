@@ -4,6 +4,9 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
+	"errors"
+	"log/slog"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -82,34 +85,96 @@ type pgxDriver struct {
 	db PgxExecutor
 }
 
-func newPgxDriver(db PgxExecutor, mode pgx.QueryExecMode) pgxDriver {
-	return pgxDriver{q: pgxdb.New(execMode{db: db, mode: mode}), db: db}
+func newPgxDriver(db PgxExecutor, mode *execMode) pgxDriver {
+	return pgxDriver{q: pgxdb.New(modeExecutor{db: db, mode: mode}), db: db}
 }
 
-// execMode runs every protocol statement in one pgx query execution mode,
-// whatever the pool's default: QueryExecModeExec by default, which needs no
-// named prepared statement on the server, so idem works through PgBouncer
-// in transaction mode with pgx's default configuration (whose statement
-// cache would otherwise fail on another backend's missing statement).
+// execMode is the pgx query execution mode of a Client's protocol
+// statements, shared by the clients WithTx derives from it. Zero (adaptive)
+// uses the pool's own mode until the server answers that a prepared
+// statement is missing or already exists (SQLSTATE 26000, 42P05: a
+// transaction pooler such as PgBouncer before 1.21 handed the connection
+// another backend); from then on the client uses QueryExecModeExec, which
+// needs no named prepared statement.
 type execMode struct {
+	fixed    pgx.QueryExecMode // set by Config.QueryExecMode; 0 adapts
+	switched atomic.Bool
+	log      *slog.Logger
+}
+
+func (m *execMode) args(args []any) []any {
+	mode := m.fixed
+	if mode == 0 {
+		if !m.switched.Load() {
+			return args
+		}
+		mode = pgx.QueryExecModeExec
+	}
+	return append(append(make([]any, 0, len(args)+1), mode), args...)
+}
+
+// adapt reports whether err is a pooler's prepared-statement error on an
+// adaptive client, and switches it to exec mode. Such a statement failed
+// before it ran, so it can be sent again.
+func (m *execMode) adapt(err error) bool {
+	var pg *pgconn.PgError
+	if m.fixed != 0 || !errors.As(err, &pg) || (pg.Code != "26000" && pg.Code != "42P05") {
+		return false
+	}
+	if m.switched.CompareAndSwap(false, true) {
+		m.log.LogAttrs(context.Background(), slog.LevelWarn,
+			"idem: the server refused a prepared statement (a transaction pooler such as PgBouncer?); this client now uses pgx's exec mode",
+			slog.String("sqlstate", pg.Code))
+	}
+	return true
+}
+
+// modeExecutor runs statements in the client's execution mode and, outside
+// a transaction, sends a statement again once when the pooler refused it.
+type modeExecutor struct {
 	db   PgxExecutor
-	mode pgx.QueryExecMode
+	mode *execMode
 }
 
-func (e execMode) args(args []any) []any {
-	return append(append(make([]any, 0, len(args)+1), e.mode), args...)
+func (e modeExecutor) retry(err error) bool {
+	if !e.mode.adapt(err) {
+		return false
+	}
+	_, inTx := e.db.(pgx.Tx) // the transaction is aborted: the caller retries it
+	return !inTx
 }
 
-func (e execMode) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	return e.db.Exec(ctx, sql, e.args(args)...)
+func (e modeExecutor) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	tag, err := e.db.Exec(ctx, sql, e.mode.args(args)...)
+	if err != nil && e.retry(err) {
+		return e.db.Exec(ctx, sql, e.mode.args(args)...)
+	}
+	return tag, err
 }
 
-func (e execMode) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
-	return e.db.Query(ctx, sql, e.args(args)...)
+func (e modeExecutor) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	return e.db.Query(ctx, sql, e.mode.args(args)...) // not used by the protocol's one-row queries
 }
 
-func (e execMode) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	return e.db.QueryRow(ctx, sql, e.args(args)...)
+func (e modeExecutor) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	return modeRow{e: e, ctx: ctx, sql: sql, args: args}
+}
+
+// modeRow runs its query when scanned, so that a refused statement can be
+// sent again.
+type modeRow struct {
+	e    modeExecutor
+	ctx  context.Context
+	sql  string
+	args []any
+}
+
+func (r modeRow) Scan(dest ...any) error {
+	err := r.e.db.QueryRow(r.ctx, r.sql, r.e.mode.args(r.args)...).Scan(dest...)
+	if err != nil && r.e.retry(err) {
+		err = r.e.db.QueryRow(r.ctx, r.sql, r.e.mode.args(r.args)...).Scan(dest...)
+	}
+	return err
 }
 
 func (d pgxDriver) concurrent() bool {

@@ -1,11 +1,13 @@
 package reliability
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -226,7 +228,8 @@ func TestRecordingFailures(t *testing.T) {
 			t.Fatalf("bouncer URL still sets an exec mode: %s", bouncer)
 		}
 		bp := testdb.Pool(t, bouncer, 24)
-		bc := idem.New(bp, nil)
+		var logs syncBuffer
+		bc := idem.New(bp, &idem.Config{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 		var runs sync.Map
 		var wg sync.WaitGroup
 		keys := scale(300, 3000)
@@ -269,7 +272,11 @@ func TestRecordingFailures(t *testing.T) {
 		if n := count(t, pool, `SELECT count(*)::int FROM idem.processed_events WHERE key LIKE 'bouncer-%' AND status <> 'completed'`); n != 0 {
 			t.Fatalf("%d keys left not completed after their work ran", n)
 		}
-		t.Logf("PgBouncer (transaction mode, pgx defaults): %d keys x 2 concurrent deliveries, each ran once, none left processing", keys)
+		// PgBouncer 1.21+ with max_prepared_statements keeps prepared
+		// statements; before it, the client must have met the pooler's
+		// refusal and switched to exec mode.
+		switched := strings.Contains(logs.String(), "this client now uses pgx's exec mode")
+		t.Logf("PgBouncer (transaction mode, pgx defaults): %d keys x 2 concurrent deliveries, each ran once, none left processing; switched to exec mode: %v", keys, switched)
 	})
 }
 
@@ -383,4 +390,22 @@ func TestDuplicateBehindOpenTransaction(t *testing.T) {
 	if cl, err := c.Claim(ctx, "tx", "evt"); err != nil || cl.Outcome != idem.Completed {
 		t.Fatalf("after commit: %+v %v, want completed", cl, err)
 	}
+}
+
+// syncBuffer is a bytes.Buffer safe for concurrent logging.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }
