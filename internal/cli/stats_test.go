@@ -3,6 +3,7 @@ package cli
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -28,6 +29,12 @@ func TestStats(t *testing.T) {
 			_, _ = c.Do(ctx, "stripe", key, func(context.Context) (any, error) { return 1, nil })
 		}
 	}
+	// Work that ran but whose result could not be stored.
+	if _, err := c.Do(ctx, "big", "huge", func(context.Context) (any, error) {
+		return map[string]string{"blob": strings.Repeat("x", 2<<20)}, nil
+	}); !errors.Is(err, idem.ErrResultNotStored) {
+		t.Fatalf("unstorable result: %v", err)
+	}
 	_, _ = c.Claim(ctx, "github", "stuck", idem.WithLease(time.Second))
 	_, _ = c.Claim(ctx, "github", "busy")
 	time.Sleep(1100 * time.Millisecond)
@@ -52,11 +59,14 @@ func TestStats(t *testing.T) {
 	if gh.Keys != 2 || gh.Processing != 2 || gh.Stuck != 1 {
 		t.Errorf("github stats: %+v", gh)
 	}
+	if b := by["big"]; b.Keys != 1 || b.Completed != 1 || b.Unstored != 1 {
+		t.Errorf("a key completed without its result: %+v", b)
+	}
 	if len(out.Partitions) < 3 {
 		t.Errorf("partitions: %+v", out.Partitions)
 	}
 	r = idemctl(t, ctx, nil, "stats", "--database-url", url)
-	if r.code != 0 || !strings.Contains(r.out, "75.0%") || !strings.Contains(r.out, "processed_events_default") {
+	if r.code != 0 || !strings.Contains(r.out, "75.0%") || !strings.Contains(r.out, "processed_events_default") || !strings.Contains(r.out, "NO RESULT") {
 		t.Fatalf("stats table:\n%s", r.out)
 	}
 	if strings.Contains(r.out+r.errout, "password") {
