@@ -21,6 +21,8 @@ package idemhttp
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -75,9 +77,31 @@ type Config struct {
 	// ReplayHeaders are the response headers stored and replayed.
 	// Default: Content-Type, Content-Language, Location, Cache-Control, ETag.
 	ReplayHeaders []string
+	// Verify checks the delivery's signature before anything is claimed
+	// (presets set it from their secrets). A delivery that fails is
+	// answered 400 (ErrSignatureMissing) or 401 problem+json, and nothing
+	// is claimed or stored, so a forged delivery can never poison the key
+	// of the genuine one.
+	Verify Verifier
+	// VerifiedUpstream says that deliveries are verified before they reach
+	// this middleware (an API gateway, another middleware). A webhook
+	// preset without secrets refuses to start without it.
+	VerifiedUpstream bool
 	// Store decides which statuses are stored and replayed; the others
-	// release the key for a retry. Default: status < 500.
+	// release the key, so the next request runs the handler again.
+	// Default for the webhook presets: 2xx only (a sender retries anything
+	// else, and a 4xx may be transient: a secret being fixed, an event that
+	// arrived before the object it refers to). Default otherwise (IETF
+	// Idempotency-Key): every status below 500 except 401, 403, 408, 409,
+	// 425 and 429, which describe the moment, not the request.
 	Store func(status int) bool
+	// Scope, in the IETF Idempotency-Key mode, names the client a key
+	// belongs to: the same key from two clients is two keys, so one
+	// client's stored answer never reaches another. Return the
+	// authenticated principal (a user or tenant id) where you have one.
+	// Default: CredentialsScope, a digest of the request's credentials.
+	// The webhook presets key by the sender's event id and have no scope.
+	Scope func(r *http.Request) string
 	// TTL and Lease override the source's policy (0: the policy). Senders
 	// time out after about 10 seconds (Stripe, GitHub): the lease is
 	// extended while the handler runs, so it only needs to outlast a
@@ -91,6 +115,9 @@ type Config struct {
 	HandlerTimeout time.Duration
 	// Logger receives warnings. Default slog.Default().
 	Logger *slog.Logger
+
+	sender    string // set by a webhook preset: its name
+	presetErr error  // a preset's bad secret
 }
 
 // Response is what the middleware stores for a key: enough to replay the
@@ -107,6 +134,41 @@ type Response struct {
 // ReplayedHeader marks a replayed response.
 const ReplayedHeader = "Idempotency-Replayed"
 
+// Store2xx stores only 2xx answers: the webhook presets' default.
+func Store2xx(status int) bool { return status >= 200 && status < 300 }
+
+// StoreIETF stores every answer below 500 except 401, 403, 408, 409, 425
+// and 429: the IETF Idempotency-Key mode's default.
+func StoreIETF(status int) bool {
+	switch status {
+	case http.StatusUnauthorized, http.StatusForbidden, http.StatusRequestTimeout,
+		http.StatusConflict, http.StatusTooEarly, http.StatusTooManyRequests:
+		return false
+	}
+	return status < 500
+}
+
+// CredentialsScope scopes a key to the request's credentials: a SHA-256
+// digest of its Authorization, Proxy-Authorization and X-Api-Key headers
+// (16 bytes, hex). Requests without any share the scope "anonymous": give
+// Config.Scope your authenticated principal when clients authenticate
+// some other way.
+func CredentialsScope(r *http.Request) string {
+	a, p, k := r.Header.Values("Authorization"), r.Header.Values("Proxy-Authorization"), r.Header.Values("X-Api-Key")
+	if len(a)+len(p)+len(k) == 0 {
+		return "anonymous"
+	}
+	h := sha256.New()
+	for _, vs := range [][]string{a, p, k} {
+		for _, v := range vs {
+			h.Write([]byte(v))
+			h.Write([]byte{0})
+		}
+		h.Write([]byte{1})
+	}
+	return "c:" + hex.EncodeToString(h.Sum(nil)[:16])
+}
+
 // New returns the middleware.
 func New(cfg Config) (func(http.Handler) http.Handler, error) {
 	if cfg.Client == nil {
@@ -114,6 +176,13 @@ func New(cfg Config) (func(http.Handler) http.Handler, error) {
 	}
 	if cfg.Source == "" {
 		return nil, errors.New("idemhttp: Config.Source is required")
+	}
+	if cfg.presetErr != nil {
+		return nil, cfg.presetErr
+	}
+	if cfg.sender != "" && cfg.Verify == nil && !cfg.VerifiedUpstream {
+		return nil, fmt.Errorf("idemhttp: the %s preset has no signing secret: pass the endpoint's secret (idemhttp.%s(secret)), "+
+			"or set Config.VerifiedUpstream if deliveries are verified before this middleware", cfg.sender, cfg.sender)
 	}
 	if cfg.Key == nil {
 		cfg.Key = IdempotencyKeyHeader
@@ -143,7 +212,13 @@ func New(cfg Config) (func(http.Handler) http.Handler, error) {
 		cfg.ReplayHeaders = []string{"Content-Type", "Content-Language", "Location", "Cache-Control", "ETag"}
 	}
 	if cfg.Store == nil {
-		cfg.Store = func(status int) bool { return status < 500 }
+		cfg.Store = StoreIETF
+		if cfg.sender != "" {
+			cfg.Store = Store2xx
+		}
+	}
+	if cfg.Scope == nil && cfg.sender == "" {
+		cfg.Scope = CredentialsScope
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
@@ -176,6 +251,18 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	r.Body = io.NopCloser(newReader(body))
+	if m.cfg.Verify != nil {
+		if err := m.cfg.Verify(r, body); err != nil {
+			status, title := http.StatusUnauthorized, "Signature verification failed"
+			if errors.Is(err, ErrSignatureMissing) {
+				status, title = http.StatusBadRequest, "Signature missing or malformed"
+			}
+			m.cfg.Logger.LogAttrs(r.Context(), slog.LevelWarn, "idemhttp: delivery refused before any claim",
+				slog.String("source", m.cfg.Source), slog.Any("error", err))
+			problem(w, status, title, err.Error(), nil)
+			return
+		}
+	}
 	key, eventType, err := m.cfg.Key(r, body)
 	if err != nil {
 		problem(w, http.StatusBadRequest, "Invalid idempotency key", err.Error(), nil)
@@ -191,6 +278,9 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 
+	if m.cfg.Scope != nil {
+		key = m.cfg.Scope(r) + "|" + key
+	}
 	opts := []idem.ClaimOption{idem.WithFingerprint(m.cfg.Fingerprint(r, body))}
 	if eventType != "" {
 		opts = append(opts, idem.WithEventType(eventType))

@@ -299,3 +299,68 @@ func TestConfigRefused(t *testing.T) {
 		}
 	}
 }
+
+// TestTransientAnswersNotStored: answers that describe the moment, not the
+// request, are not stored, so the sender's retry runs the handler again.
+func TestTransientAnswersNotStored(t *testing.T) {
+	t.Parallel()
+	stripe := senders[0]
+	for _, mode := range []struct {
+		name    string
+		cfg     idemhttp.Config
+		headers func(body string) map[string]string
+		answers []int // what the handler answers first; it answers 200 once fixed
+	}{
+		{"IETF Idempotency-Key", idemhttp.Config{}, func(string) map[string]string { return key("k") },
+			[]int{401, 403, 408, 409, 425, 429}},
+		{"Stripe preset", idemhttp.Config{}.Apply(idemhttp.Stripe(stripe.secret)),
+			func(body string) map[string]string { return stripe.delivery(stripe.secret, body, time.Now()) },
+			[]int{400, 401, 403, 404, 409, 422, 429}},
+	} {
+		t.Run(mode.name, func(t *testing.T) {
+			t.Parallel()
+			for _, first := range mode.answers {
+				var runs atomic.Int64
+				var fixed atomic.Bool
+				srv, _ := setup(t, mode.cfg, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+					runs.Add(1)
+					if !fixed.Load() {
+						w.WriteHeader(first)
+						return
+					}
+					fmt.Fprint(w, "done")
+				}))
+				b := strings.Replace(stripeEvent, "evt_1NG8Du2eZvKYlo2CUI79vXWy", fmt.Sprintf("evt_%d", first), 1)
+				if r := send(t, srv, "POST", "/", b, mode.headers(b)); r.status != first {
+					t.Fatalf("first answer %d, want %d", r.status, first)
+				}
+				fixed.Store(true) // the secret is fixed; the object now exists
+				if r := send(t, srv, "POST", "/", b, mode.headers(b)); r.status != 200 || r.body != "done" || runs.Load() != 2 {
+					t.Fatalf("after a %d: the retry got %d %q, handler ran %d times, want it run again", first, r.status, r.body, runs.Load())
+				}
+			}
+		})
+	}
+}
+
+// TestClientScope: the same Idempotency-Key and body from two clients are
+// two keys; each client gets its own replay, never the other's.
+func TestClientScope(t *testing.T) {
+	t.Parallel()
+	var runs atomic.Int64
+	srv, _ := setup(t, idemhttp.Config{}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		fmt.Fprintf(w, "account of %s", r.Header.Get("Authorization"))
+	}))
+	alice := map[string]string{"Idempotency-Key": `"order-1"`, "Authorization": "Bearer alice"}
+	bob := map[string]string{"Idempotency-Key": `"order-1"`, "Authorization": "Bearer bob"}
+	a1 := send(t, srv, "POST", "/orders", `{"qty":1}`, alice)
+	b1 := send(t, srv, "POST", "/orders", `{"qty":1}`, bob)
+	a2 := send(t, srv, "POST", "/orders", `{"qty":1}`, alice)
+	if b1.body != "account of Bearer bob" || b1.header.Get(idemhttp.ReplayedHeader) != "" {
+		t.Fatalf("bob got %q (replayed %q): another client's answer", b1.body, b1.header.Get(idemhttp.ReplayedHeader))
+	}
+	if a1.body != "account of Bearer alice" || a2.body != a1.body || a2.header.Get(idemhttp.ReplayedHeader) != "true" || runs.Load() != 2 {
+		t.Fatalf("alice: %q then %q (replayed %q), handler ran %d times", a1.body, a2.body, a2.header.Get(idemhttp.ReplayedHeader), runs.Load())
+	}
+}

@@ -109,7 +109,7 @@ func (c Config) Apply(presets ...Preset) Config {
 	return c
 }
 
-func preset(source string, key KeyFunc, ttl time.Duration) Preset {
+func preset(source, sender string, key KeyFunc, ttl time.Duration, verify func() (Verifier, error)) Preset {
 	return func(c *Config) {
 		if c.Source == "" {
 			c.Source = source
@@ -123,6 +123,30 @@ func preset(source string, key KeyFunc, ttl time.Duration) Preset {
 		if c.TTL == 0 {
 			c.TTL = ttl
 		}
+		c.sender = sender
+		if c.Verify == nil && verify != nil {
+			v, err := verify()
+			if err != nil {
+				c.presetErr = err
+			}
+			c.Verify = v
+		}
+	}
+}
+
+// verifier is nil without secrets: New then asks for them or for
+// Config.VerifiedUpstream.
+func verifier(secrets []string, make func(...string) Verifier) func() (Verifier, error) {
+	if len(secrets) == 0 {
+		return nil
+	}
+	return func() (Verifier, error) {
+		for i, s := range secrets {
+			if s == "" {
+				return nil, fmt.Errorf("idemhttp: signing secret %d is empty", i+1)
+			}
+		}
+		return make(secrets...), nil
 	}
 }
 
@@ -131,27 +155,42 @@ const StripeRetryWindow = 3 * 24 * time.Hour
 
 // Stripe keys by the event id ("evt_...") in the JSON body, with the event
 // type from "type", and keeps keys for twice Stripe's 3-day retry window plus
-// a day (7 days), so no retry outlives its key.
-func Stripe() Preset { return preset("stripe", bodyIDKey, 2*StripeRetryWindow+24*time.Hour) }
+// a day (7 days), so no retry outlives its key. Deliveries are verified
+// first (Stripe-Signature, with stripe-go's webhook package and a 5-minute
+// tolerance) against the endpoint's signing secrets ("whsec_..."; two while
+// one is rolled).
+func Stripe(secrets ...string) Preset {
+	return preset("stripe", "Stripe", bodyIDKey, 2*StripeRetryWindow+24*time.Hour,
+		verifier(secrets, func(s ...string) Verifier { return StripeVerifier(DefaultTolerance, s...) }))
+}
 
 // GitHub keys by X-GitHub-Delivery (a GUID per delivery, kept on
-// redelivery), with the event type from X-GitHub-Event.
-func GitHub() Preset {
-	return preset("github", HeaderKey("X-GitHub-Event", "X-GitHub-Delivery"), 0)
+// redelivery), with the event type from X-GitHub-Event, and verifies
+// X-Hub-Signature-256 against the webhook's secrets first.
+func GitHub(secrets ...string) Preset {
+	return preset("github", "GitHub", HeaderKey("X-GitHub-Event", "X-GitHub-Delivery"), 0, verifier(secrets, GitHubVerifier))
 }
 
 // Shopify keys by X-Shopify-Event-Id (the same for every delivery of an
-// event), falling back to X-Shopify-Webhook-Id, with the topic as type.
-// Shopify retries for 48 hours.
-func Shopify() Preset {
-	return preset("shopify", HeaderKey("X-Shopify-Topic", "X-Shopify-Event-Id", "X-Shopify-Webhook-Id"), 0)
+// event), falling back to X-Shopify-Webhook-Id, with the topic as type,
+// and verifies X-Shopify-Hmac-Sha256 against the app's client secrets
+// first. Shopify retries for 48 hours.
+func Shopify(secrets ...string) Preset {
+	return preset("shopify", "Shopify", HeaderKey("X-Shopify-Topic", "X-Shopify-Event-Id", "X-Shopify-Webhook-Id"), 0,
+		verifier(secrets, ShopifyVerifier))
 }
 
 // StandardWebhooks keys by webhook-id (Standard Webhooks), falling back to
-// svix-id (Svix's own headers), with the event type from the body's "type".
-func StandardWebhooks() Preset {
+// svix-id (Svix's own headers), with the event type from the body's "type",
+// and verifies the signature with the standard-webhooks library first
+// (secrets "whsec_<base64>").
+func StandardWebhooks(secrets ...string) Preset {
 	key := HeaderKey("", "webhook-id", "svix-id")
-	return preset("webhooks", func(r *http.Request, body []byte) (string, string, error) {
+	var verify func() (Verifier, error)
+	if len(secrets) > 0 {
+		verify = func() (Verifier, error) { return StandardWebhooksVerifier(secrets...) }
+	}
+	return preset("webhooks", "StandardWebhooks", func(r *http.Request, body []byte) (string, string, error) {
 		k, _, err := key(r, body)
 		if k == "" || err != nil {
 			return k, "", err
@@ -161,5 +200,5 @@ func StandardWebhooks() Preset {
 		}
 		_ = json.Unmarshal(body, &ev)
 		return k, ev.Type, nil
-	}, 0)
+	}, 0, verify)
 }
