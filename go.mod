@@ -8,6 +8,8 @@ require (
 	github.com/prometheus/client_golang v1.25.0
 	github.com/robfig/cron/v3 v3.0.1
 	github.com/sqlc-dev/pqtype v0.3.0
+	github.com/standard-webhooks/standard-webhooks/libraries v0.0.1
+	github.com/stripe/stripe-go/v85 v85.0.0
 )
 
 require (
@@ -22,8 +24,6 @@ require (
 	github.com/prometheus/common v0.72.0 // indirect
 	github.com/prometheus/procfs v0.22.0 // indirect
 	github.com/sethvargo/go-retry v0.5.0 // indirect
-	github.com/standard-webhooks/standard-webhooks/libraries v0.0.1 // indirect
-	github.com/stripe/stripe-go/v85 v85.0.0 // indirect
 	go.uber.org/multierr v1.11.0 // indirect
 	golang.org/x/sync v0.24.0 // indirect
 	golang.org/x/sys v0.49.0 // indirect
