@@ -45,7 +45,7 @@ func StripeVerifier(tolerance time.Duration, secrets ...string) Verifier {
 		if header == "" {
 			return fmt.Errorf("%w: Stripe-Signature is missing", ErrSignatureMissing)
 		}
-		var last error
+		last := errors.New("no signing secret is configured")
 		for _, s := range secrets {
 			last = webhook.ValidatePayloadWithTolerance(body, header, s, tolerance)
 			if last == nil {

@@ -1,7 +1,9 @@
-// Command webhook-receiver serves the example Stripe receiver on :8080.
+// Command webhook-receiver serves the example Stripe receiver on $ADDR
+// (default :8080), verifying deliveries with $STRIPE_WEBHOOK_SECRET (the
+// endpoint's signing secret, "whsec_..."; several separated by commas
+// while one is rolled).
 //
-//	DATABASE_URL=postgres://... go run ./examples/webhook-receiver
-//	curl -X POST localhost:8080/webhooks/stripe -d @event.json
+//	DATABASE_URL=postgres://... STRIPE_WEBHOOK_SECRET=whsec_... go run ./examples/webhook-receiver
 package main
 
 import (
@@ -10,6 +12,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
@@ -23,6 +26,14 @@ import (
 )
 
 func main() {
+	secrets := strings.Split(os.Getenv("STRIPE_WEBHOOK_SECRET"), ",")
+	if secrets[0] == "" {
+		log.Fatal("STRIPE_WEBHOOK_SECRET is not set: give the endpoint's signing secret (whsec_...) from the Stripe dashboard or `stripe listen`")
+	}
+	addr := os.Getenv("ADDR")
+	if addr == "" {
+		addr = ":8080"
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
@@ -36,10 +47,10 @@ func main() {
 	if err := receiver.Setup(ctx, pool); err != nil {
 		log.Fatal(err)
 	}
-	rc := &receiver.Receiver{Pool: pool, Idem: idem.New(pool, nil), Mail: &receiver.StubMailer{}}
+	rc := &receiver.Receiver{Secrets: secrets, Pool: pool, Idem: idem.New(pool, nil), Mail: &receiver.StubMailer{}}
 	mux := http.NewServeMux()
 	mux.Handle("POST /webhooks/stripe", rc)
-	srv := &http.Server{Addr: ":8080", Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	srv := &http.Server{Addr: addr, Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	go func() {
 		<-ctx.Done()
 		sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)

@@ -22,6 +22,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stripe/stripe-go/v85/webhook"
 
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/examples/webhook-receiver/receiver"
@@ -75,6 +76,8 @@ type Report struct {
 	BalancesOK         bool
 	StillProcessing    int
 	CrossMonth         string // what happened to the event first seen last month
+	Forged             int    // forged, stale and unsigned deliveries sent
+	ForgedRefused      int    // of those, answered 400 or 401
 	Elapsed            time.Duration
 	Checks             []Check
 }
@@ -100,6 +103,7 @@ func (r *Report) OK() bool {
 func (r *Report) Print(w io.Writer) {
 	fmt.Fprintf(w, "\nstorm: %d invoice.paid events x %d concurrent deliveries = %d deliveries in %s\n",
 		r.Events, r.Deliveries/max(r.Events, 1), r.Deliveries, r.Elapsed.Round(time.Millisecond))
+	fmt.Fprintf(w, "  forged, stale, unsigned:        %d sent, %d refused before any claim\n", r.Forged, r.ForgedRefused)
 	fmt.Fprintf(w, "  sender retries after a non-2xx: %d\n", r.SenderRetries)
 	fmt.Fprintf(w, "  HTTP answers:                   %v\n", r.Statuses)
 	fmt.Fprintf(w, "  duplicates absorbed (replayed): %d\n", r.Replayed)
@@ -159,7 +163,7 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config, log *slog.Logger) 
 	}
 
 	mail := &receiver.StubMailer{FailFirst: func(subject string) bool { return pick(subject, 0.05) }}
-	rc := &receiver.Receiver{Pool: pool, Idem: idem.New(pool, nil), Mail: mail, Log: log,
+	rc := &receiver.Receiver{Secrets: []string{demoSecret}, Pool: pool, Idem: idem.New(pool, nil), Mail: mail, Log: log,
 		Chaos: &receiver.Chaos{
 			Slow: func(id string) time.Duration {
 				if pick(id+"slow", cfg.SlowRate) {
@@ -191,10 +195,10 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config, log *slog.Logger) 
 		if err != nil {
 			return nil, fmt.Errorf("cross-month setup: %w", err)
 		}
-		earlier := &receiver.Receiver{Pool: old, Idem: idem.New(old, nil), Mail: mail, Log: log, Chaos: rc.Chaos}
+		earlier := &receiver.Receiver{Secrets: rc.Secrets, Pool: old, Idem: idem.New(old, nil), Mail: mail, Log: log, Chaos: rc.Chaos}
 		for attempt := 1; ; attempt++ { // the sender retries until a 2xx
 			rec := &statusRecorder{header: http.Header{}}
-			req, _ := http.NewRequestWithContext(ctx, "POST", url, bytes.NewReader(e.body))
+			req := signed(ctx, url, e.body, demoSecret, time.Now())
 			earlier.ServeHTTP(rec, req)
 			rep.Deliveries++
 			if rec.code == 0 || rec.code == http.StatusOK {
@@ -208,11 +212,40 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config, log *slog.Logger) 
 		old.Close()
 	}
 
-	var mu sync.Mutex
 	client := &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{MaxIdleConnsPerHost: cfg.Workers}}
+	// An attacker's deliveries, before the storm: for the first events, a
+	// forgery of the genuine event id with a changed amount (signed with a
+	// wrong secret), a stale replay of the genuine delivery (signed an hour
+	// ago) and an unsigned one; and forged events that never existed. None
+	// may be claimed, book a payment or block the genuine delivery.
+	forgeries := 0
+	for i := range min(20, len(events)) {
+		e := events[i]
+		fake := bytes.Replace(e.body, []byte(fmt.Sprintf(`"amount_paid":%d`, e.amount)), []byte(`"amount_paid":999999`), 1)
+		invented := bytes.ReplaceAll(e.body, []byte(run), []byte("forged"+run[:2]))
+		for _, req := range []*http.Request{
+			signed(ctx, url, fake, "whsec_not_the_endpoints_secret", time.Now()),
+			signed(ctx, url, e.body, demoSecret, time.Now().Add(-time.Hour)),
+			signed(ctx, url, invented, "whsec_not_the_endpoints_secret", time.Now()),
+			unsigned(ctx, url, e.body),
+		} {
+			rep.Forged++
+			resp, err := client.Do(req)
+			if err != nil {
+				return nil, err
+			}
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusBadRequest || resp.StatusCode == http.StatusUnauthorized {
+				rep.ForgedRefused++
+			}
+		}
+		forgeries++
+	}
+
+	var mu sync.Mutex
 	deliver := func(e event) error {
 		for attempt := 0; ; attempt++ {
-			resp, err := client.Post(url, "application/json", bytes.NewReader(e.body))
+			resp, err := client.Do(signed(ctx, url, e.body, demoSecret, time.Now()))
 			if err != nil {
 				return err
 			}
@@ -300,7 +333,14 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config, log *slog.Logger) 
 		"%"+run+"%").Scan(&rep.StillProcessing); err != nil {
 		return rep, err
 	}
+	var forgedPayments int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM payments WHERE amount_cents = 999999 OR event_id LIKE $1`,
+		"evt_forged"+run[:2]+"%").Scan(&forgedPayments); err != nil {
+		return rep, err
+	}
 	rep.Checks = []Check{
+		{"forged, stale and unsigned deliveries refused before any claim", rep.ForgedRefused == rep.Forged && forgedPayments == 0,
+			fmt.Sprintf("%d of %d refused, %d forged payments booked; %d genuine events delivered after forgeries of their ids", rep.ForgedRefused, rep.Forged, forgedPayments, forgeries)},
 		{"one payment per invoice", rep.Payments == cfg.Events, fmt.Sprintf("%d payments for %d events", rep.Payments, cfg.Events)},
 		{"one email per event, none twice", rep.EmailsSent == cfg.Events && rep.DuplicateEmails == 0,
 			fmt.Sprintf("%d sent, %d duplicates", rep.EmailsSent, rep.DuplicateEmails)},
@@ -317,6 +357,25 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config, log *slog.Logger) 
 		rep.Checks = append(rep.Checks, Check{"a key first seen last month is recognized this month", ok, rep.CrossMonth})
 	}
 	return rep, nil
+}
+
+// demoSecret is the receiver's signing secret in the demo; the sender
+// signs every genuine delivery with it, as Stripe does.
+const demoSecret = "whsec_idem_demo"
+
+// signed is a delivery signed the way Stripe signs it, with stripe-go's
+// own signer, at time at.
+func signed(ctx context.Context, url string, body []byte, secret string, at time.Time) *http.Request {
+	req := unsigned(ctx, url, body)
+	p := webhook.GenerateTestSignedPayload(&webhook.UnsignedPayload{Payload: body, Secret: secret, Timestamp: at})
+	req.Header.Set("Stripe-Signature", p.Header)
+	return req
+}
+
+func unsigned(ctx context.Context, url string, body []byte) *http.Request {
+	req, _ := http.NewRequestWithContext(ctx, "POST", url, bytes.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	return req
 }
 
 // statusRecorder is a minimal ResponseWriter for the in-process delivery.

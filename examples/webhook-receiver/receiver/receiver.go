@@ -18,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/idemhttp"
 )
 
 // Event is the part of a Stripe event the receiver reads.
@@ -41,10 +42,14 @@ type Mailer interface {
 
 // Receiver handles POST /webhooks/stripe.
 type Receiver struct {
-	Pool *pgxpool.Pool
-	Idem *idem.Client
-	Mail Mailer
-	Log  *slog.Logger
+	// Secrets are the endpoint's signing secrets ("whsec_...", two while
+	// one is rolled). A delivery whose Stripe-Signature does not verify
+	// against one of them is refused before anything is claimed.
+	Secrets []string
+	Pool    *pgxpool.Pool
+	Idem    *idem.Client
+	Mail    Mailer
+	Log     *slog.Logger
 	// Chaos, when set, slows or fails the work on purpose (the demo's storm).
 	Chaos *Chaos
 }
@@ -97,6 +102,16 @@ func (rc *Receiver) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, 1<<20))
 	if err != nil {
 		http.Error(w, "body too large", http.StatusRequestEntityTooLarge)
+		return
+	}
+	// 0. Is it Stripe? Verified before anything is claimed, so a forged
+	//    delivery carrying a genuine event id can never poison its key.
+	if err := idemhttp.StripeVerifier(idemhttp.DefaultTolerance, rc.Secrets...)(r, body); err != nil {
+		status := http.StatusUnauthorized
+		if errors.Is(err, idemhttp.ErrSignatureMissing) {
+			status = http.StatusBadRequest
+		}
+		http.Error(w, "signature verification failed", status)
 		return
 	}
 	var ev Event
