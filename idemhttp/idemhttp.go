@@ -8,14 +8,17 @@
 // the first is still in flight is 409 with Retry-After, the same key with a
 // different payload is 422, an oversized request body is 413. A handler
 // that answers 5xx or panics releases the key, so the sender's retry runs
-// it again; 2xx and 4xx answers are stored and replayed. The handler runs
+// it again; so does any non-2xx answer under a webhook preset, and 401,
+// 403, 408, 409, 425 and 429 in the IETF mode, whose keys are scoped per
+// client (Config.Scope). The presets verify the sender's signature before
+// anything is claimed (Config.Verify). The handler runs
 // detached from the request's context, under Config.HandlerTimeout: a
 // sender that times out and hangs up neither cancels the work nor keeps
 // its answer from being recorded.
 //
-// Presets extract the key the way real senders send it: Stripe (event id
-// in the body), GitHub (X-GitHub-Delivery), Shopify (X-Shopify-Event-Id),
-// Standard Webhooks / Svix (webhook-id). It is plain net/http, so it wraps
+// Presets verify and extract the key the way real senders sign and send
+// it: Stripe (event id in the body), GitHub (X-GitHub-Delivery), Shopify
+// (X-Shopify-Event-Id), Standard Webhooks / Svix (webhook-id). It is plain net/http, so it wraps
 // chi, echo and gin handlers through their net/http adapters.
 package idemhttp
 
