@@ -70,6 +70,49 @@ func NewProvider(db *sql.DB, opts ...goose.ProviderOption) (*goose.Provider, err
 	return p, nil
 }
 
+// StoredKeys counts the keys a migration down to version 0 would drop
+// (0 when idem is not installed).
+func StoredKeys(ctx context.Context, db *sql.DB) (int64, error) {
+	var n int64
+	err := db.QueryRowContext(ctx, `SELECT CASE WHEN to_regclass('idem.processed_events') IS NULL THEN 0
+	                                            ELSE (SELECT count(*) FROM idem.processed_events) END`).Scan(&n)
+	return n, err
+}
+
+// DownTo migrates down to version. Going below version 1 drops the stored
+// keys: it is refused with ErrWouldDropKeys (saying how many) when there
+// are any, unless force is set.
+func DownTo(ctx context.Context, db *sql.DB, version int64, force bool) ([]*goose.MigrationResult, error) {
+	p, err := NewProvider(db, goose.WithSlog(discardLogger))
+	if err != nil {
+		return nil, err
+	}
+	if err := GuardDown(ctx, db, p, version, force); err != nil {
+		return nil, err
+	}
+	return p.DownTo(ctx, version)
+}
+
+// GuardDown returns ErrWouldDropKeys when migrating p down to version
+// would drop stored keys and force is not set.
+func GuardDown(ctx context.Context, db *sql.DB, p *goose.Provider, version int64, force bool) error {
+	if version >= 1 || force {
+		return nil
+	}
+	current, err := p.GetDBVersion(ctx)
+	if err != nil || current < 1 {
+		return err
+	}
+	n, err := StoredKeys(ctx, db)
+	if err != nil {
+		return fmt.Errorf("idem/migrate: count the stored keys: %w", err)
+	}
+	if n > 0 {
+		return fmt.Errorf("%w: %d keys are stored; pass force (idemctl migrate down --force) to drop them", ErrWouldDropKeys, n)
+	}
+	return nil
+}
+
 // Up applies every pending migration. Re-running it is a no-op.
 func Up(ctx context.Context, db *sql.DB) ([]*goose.MigrationResult, error) {
 	p, err := NewProvider(db, goose.WithSlog(discardLogger))
@@ -79,15 +122,63 @@ func Up(ctx context.Context, db *sql.DB) ([]*goose.MigrationResult, error) {
 	return p.Up(ctx)
 }
 
+// ErrSchemaInUse: schema idem exists, holds objects, and has no idem
+// version table: it is somebody else's schema, and installing into it
+// would mix idem's objects and privileges with theirs.
+var ErrSchemaInUse = errors.New("idem/migrate: schema idem already exists and holds objects idem did not create")
+
+// ErrWouldDropKeys: a down migration to before version 1 would drop the
+// stored keys (and with them every duplicate's protection); see DownTo.
+var ErrWouldDropKeys = errors.New("idem/migrate: migrating down to version 0 would drop every stored key")
+
 // schemaStore is goose's Postgres store, but it creates schema idem before
-// creating the version table inside it.
+// creating the version table inside it (refusing a schema idem that is
+// somebody else's), and after every migration applied or rolled back it
+// takes EXECUTE on schema idem's routines away from PUBLIC, in the same
+// transaction. PostgreSQL cannot do that with default privileges per
+// schema (a per-schema REVOKE does not remove the global default that lets
+// PUBLIC execute new functions), so this is where a routine added by a
+// later migration, or re-created by a Down (version 3's Down granted
+// EXECUTE to PUBLIC), is kept off PUBLIC.
 type schemaStore struct{ database.Store }
 
+// revokePublic is run after each migration step.
+const revokePublic = "REVOKE ALL ON ALL ROUTINES IN SCHEMA " + Schema + " FROM PUBLIC"
+
 func (s schemaStore) CreateVersionTable(ctx context.Context, db database.DBTxConn) error {
+	var rels, routines int
+	err := db.QueryRowContext(ctx, `
+		SELECT (SELECT count(*) FROM pg_catalog.pg_class c WHERE c.relnamespace = n.oid),
+		       (SELECT count(*) FROM pg_catalog.pg_proc p WHERE p.pronamespace = n.oid)
+		  FROM pg_catalog.pg_namespace n WHERE n.nspname = $1`, Schema).Scan(&rels, &routines)
+	switch {
+	case errors.Is(err, sql.ErrNoRows):
+	case err != nil:
+		return fmt.Errorf("look for schema %s: %w", Schema, err)
+	case rels+routines > 0:
+		return fmt.Errorf("%w (%d relations, %d routines, no idem.goose_db_version): idem installs into a schema of its own; "+
+			"rename yours (ALTER SCHEMA idem RENAME TO ...) or drop it, then migrate again", ErrSchemaInUse, rels, routines)
+	}
 	if _, err := db.ExecContext(ctx, "CREATE SCHEMA IF NOT EXISTS "+Schema); err != nil {
 		return fmt.Errorf("create schema %s: %w", Schema, err)
 	}
 	return s.Store.CreateVersionTable(ctx, db)
+}
+
+func (s schemaStore) Insert(ctx context.Context, db database.DBTxConn, req database.InsertRequest) error {
+	if err := s.Store.Insert(ctx, db, req); err != nil {
+		return err
+	}
+	_, err := db.ExecContext(ctx, revokePublic)
+	return err
+}
+
+func (s schemaStore) Delete(ctx context.Context, db database.DBTxConn, version int64) error {
+	if err := s.Store.Delete(ctx, db, version); err != nil {
+		return err
+	}
+	_, err := db.ExecContext(ctx, revokePublic)
+	return err
 }
 
 func (s schemaStore) TableExists(ctx context.Context, db database.DBTxConn) (bool, error) {

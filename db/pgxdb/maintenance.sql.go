@@ -152,6 +152,34 @@ func (q *Queries) PruneBatch(ctx context.Context, arg PruneBatchParams) (int64, 
 	return deleted, err
 }
 
+const publicRoutines = `-- name: PublicRoutines :many
+SELECT p.oid::regprocedure::text AS routine
+  FROM pg_catalog.pg_proc p JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace
+ WHERE n.nspname = 'idem' AND pg_catalog.has_function_privilege('public', p.oid, 'EXECUTE')
+ ORDER BY 1
+`
+
+// Routines of schema idem that PUBLIC may execute (there should be none).
+func (q *Queries) PublicRoutines(ctx context.Context) ([]string, error) {
+	rows, err := q.db.Query(ctx, publicRoutines)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []string
+	for rows.Next() {
+		var routine string
+		if err := rows.Scan(&routine); err != nil {
+			return nil, err
+		}
+		items = append(items, routine)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const releaseLock = `-- name: ReleaseLock :one
 SELECT idem.release_lock($1::text, $2::text)::boolean AS released
 `

@@ -110,6 +110,14 @@ func measure(ctx context.Context, pool *pgxpool.Pool, c checkConfig) (*health, e
 	if h.Stuck > c.maxStuck {
 		h.Problems = append(h.Problems, fmt.Sprintf("%d keys stuck in processing more than %s past their lease (threshold %d): workers died and no redelivery came", h.Stuck, c.stuckGrace, c.maxStuck))
 	}
+	public, err := q.PublicRoutines(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if len(public) > 0 {
+		h.Problems = append(h.Problems, fmt.Sprintf("PUBLIC may execute %d routines of schema idem (%s): run `idemctl migrate up`, or REVOKE ALL ON ALL ROUTINES IN SCHEMA idem FROM PUBLIC",
+			len(public), strings.Join(public, ", ")))
+	}
 	return h, nil
 }
 

@@ -18,6 +18,7 @@ func init() {
 func runMigrate(ctx context.Context, io IO, g *globals, args []string) error {
 	fs := newFlagSet("migrate", io, g)
 	to := fs.Int64("to", -1, "up: apply migrations up to this version; down: roll back to this version (0 removes everything but the schema)")
+	force := fs.Bool("force", false, "down: drop the stored keys too (a down to version 0 refuses while keys are stored)")
 	if len(args) == 0 {
 		return usageErr("migrate needs a subcommand: up, down, status or version")
 	}
@@ -66,6 +67,15 @@ func runMigrate(ctx context.Context, io IO, g *globals, args []string) error {
 			fmt.Fprintln(io.Out, "idem schema is up to date")
 		}
 	case "down":
+		target := *to
+		if target < 0 {
+			if current, err := p.GetDBVersion(ctx); err == nil {
+				target = current - 1
+			}
+		}
+		if err := migrate.GuardDown(ctx, db, p, target, *force); err != nil {
+			return withCode(ExitError, err)
+		}
 		var res []*goose.MigrationResult
 		if *to >= 0 {
 			res, err = p.DownTo(ctx, *to)

@@ -35,4 +35,17 @@ func TestMigrateCommand(t *testing.T) {
 			t.Fatalf("%v: exit %d, want output containing %q\nstdout: %s\nstderr: %s", s.args, r.code, s.want, r.out, r.errout)
 		}
 	}
+	// With keys stored, a down to version 0 is refused unless forced.
+	pool := testdb.Pool(t, url, 1)
+	if _, err := pool.Exec(ctx, `SELECT idem.claim('s', 'k' || g) FROM generate_series(1, 3) g`); err != nil {
+		t.Fatal(err)
+	}
+	r := idemctl(t, ctx, env, "migrate", "down", "--to", "0")
+	if r.code != ExitError {
+		t.Fatalf("down --to 0 with keys: %+v", r)
+	}
+	oneLine(t, r.errout, "3 keys are stored; pass force (idemctl migrate down --force) to drop them")
+	if r := idemctl(t, ctx, env, "migrate", "down", "--to", "0", "--force"); r.code != 0 || !strings.Contains(r.out, "rolled back 00001_idem_core.sql") {
+		t.Fatalf("down --to 0 --force: %+v", r)
+	}
 }

@@ -121,7 +121,7 @@ func runDaemon(ctx context.Context, io IO, g *globals, args []string) error {
 		if err != nil {
 			return usageErr("--listen %s: %v", *listen, err)
 		}
-		srv = &http.Server{Handler: m.handler(pool), ReadHeaderTimeout: 5 * time.Second}
+		srv = &http.Server{Handler: m.handler(pool, log), ReadHeaderTimeout: 5 * time.Second}
 		go func() { _ = srv.Serve(ln) }()
 		log.LogAttrs(ctx, slog.LevelInfo, "serving /healthz and /metrics", slog.String("addr", ln.Addr().String()))
 	}
@@ -205,14 +205,18 @@ func (m *metrics) job(ctx context.Context, log *slog.Logger, name string, body f
 	})
 }
 
-func (m *metrics) handler(pool *pgxpool.Pool) http.Handler {
+func (m *metrics) handler(pool *pgxpool.Pool, log *slog.Logger) http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) {
 		ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
 		defer cancel()
 		if err := pool.Ping(ctx); err != nil {
-			http.Error(w, "database unreachable: "+redact(err.Error()), http.StatusServiceUnavailable)
+			// The probe's answer says nothing of the connection (host,
+			// port, user, database): whoever can reach /healthz is not
+			// necessarily allowed to know them. The log has the reason.
+			log.LogAttrs(ctx, slog.LevelWarn, "healthz: database unreachable", slog.String("error", redact(err.Error())))
+			http.Error(w, "database unreachable", http.StatusServiceUnavailable)
 			return
 		}
 		fmt.Fprintln(w, "ok")

@@ -126,3 +126,20 @@ func TestCheck(t *testing.T) {
 		t.Fatalf("check --json: %+v %v %+v", h, err, r)
 	}
 }
+
+// TestCheckPublicRoutines: a routine of schema idem that PUBLIC may
+// execute (made by hand, or left by an old Down) makes check unhealthy.
+func TestCheckPublicRoutines(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.Pool(t, url, 2)
+	if _, err := pool.Exec(ctx, `CREATE FUNCTION idem.by_hand() RETURNS int LANGUAGE sql AS 'SELECT 1'`); err != nil {
+		t.Fatal(err)
+	}
+	r := idemctl(t, ctx, nil, "check", "--database-url", url)
+	if r.code != ExitUnhealthy {
+		t.Fatalf("check: %+v", r)
+	}
+	oneLine(t, r.errout, "PUBLIC may execute 1 routines of schema idem (idem.by_hand())")
+}

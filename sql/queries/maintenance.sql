@@ -71,3 +71,10 @@ SELECT count(*)::bigint AS stuck
   FROM idem.processed_events e
  WHERE e.status = 'processing'
    AND e.lease_expires_at < idem.clock() - sqlc.arg(grace_ms)::bigint * interval '1 millisecond';
+
+-- name: PublicRoutines :many
+-- Routines of schema idem that PUBLIC may execute (there should be none).
+SELECT p.oid::regprocedure::text AS routine
+  FROM pg_catalog.pg_proc p JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace
+ WHERE n.nspname = 'idem' AND pg_catalog.has_function_privilege('public', p.oid, 'EXECUTE')
+ ORDER BY 1;
