@@ -4,8 +4,10 @@ import (
 	"bytes"
 	"context"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os/exec"
 	"strings"
 	"sync"
@@ -14,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/robfig/cron/v3"
 
 	"github.com/idemkit/idem/internal/testdb"
@@ -226,5 +229,33 @@ func TestRunOnceAtStart(t *testing.T) {
 	cancel()
 	if c := <-code; c != 0 {
 		t.Fatalf("exit %d after shutdown: %s", c, errw.String())
+	}
+}
+
+// TestHealthzRevealsNothing: with the database down, /healthz answers 503
+// without the host, port, user or database name (the log has the reason).
+func TestHealthzRevealsNothing(t *testing.T) {
+	t.Parallel()
+	addr := freeAddr(t) // nothing listens there once freeAddr returns
+	host, port, _ := strings.Cut(addr, ":")
+	pool, err := pgxpool.New(context.Background(), "postgres://secretuser:secretpw@"+addr+"/secretdb?connect_timeout=1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	var logs syncBuffer
+	srv := httptest.NewServer(newMetrics(pool).handler(pool, slog.New(slog.NewTextHandler(&logs, nil))))
+	defer srv.Close()
+	status, body := get(t, srv.URL+"/healthz")
+	if status != http.StatusServiceUnavailable || strings.TrimSpace(body) != "database unreachable" {
+		t.Fatalf("/healthz: %d %q", status, body)
+	}
+	for _, secret := range []string{"secretuser", "secretpw", "secretdb", host, port} {
+		if strings.Contains(body, secret) {
+			t.Fatalf("/healthz reveals %q: %q", secret, body)
+		}
+	}
+	if !strings.Contains(logs.String(), "healthz: database unreachable") || strings.Contains(logs.String(), "secretpw") {
+		t.Fatalf("the log should have the reason, without the password:\n%s", logs.String())
 	}
 }
