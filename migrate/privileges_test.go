@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/idemkit/idem/internal/testdb"
 	"github.com/idemkit/idem/migrate"
 )
 
@@ -41,13 +40,7 @@ func publicRoutines(t *testing.T, ctx context.Context, db *sql.DB) []string {
 // keeps the model.
 func TestPrivilegeModel(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	url := testdb.NewEmpty(t)
-	db, err := sql.Open("pgx", url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
+	db, ctx := setup(t)
 	p, err := migrate.NewProvider(db)
 	if err != nil {
 		t.Fatal(err)
@@ -113,19 +106,14 @@ func TestPrivilegeModel(t *testing.T) {
 // refused, saying how many; with force it goes ahead.
 func TestDownRefusesToDropKeys(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	db, err := sql.Open("pgx", testdb.NewEmpty(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
+	db, ctx := setup(t)
 	if _, err := migrate.Up(ctx, db); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := db.ExecContext(ctx, `SELECT idem.claim('s', 'k' || g) FROM generate_series(1, 7) g`); err != nil {
 		t.Fatal(err)
 	}
-	_, err = migrate.DownTo(ctx, db, 0, false)
+	_, err := migrate.DownTo(ctx, db, 0, false)
 	if !errors.Is(err, migrate.ErrWouldDropKeys) || !strings.Contains(err.Error(), "7 keys are stored") {
 		t.Fatalf("down to 0 with 7 keys: %v", err)
 	}
@@ -145,16 +133,11 @@ func TestDownRefusesToDropKeys(t *testing.T) {
 // exactly as it was.
 func TestForeignSchemaRefused(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	db, err := sql.Open("pgx", testdb.NewEmpty(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
+	db, ctx := setup(t)
 	if _, err := db.ExecContext(ctx, `CREATE SCHEMA idem; CREATE FUNCTION idem.mine() RETURNS int LANGUAGE sql AS 'SELECT 42'`); err != nil {
 		t.Fatal(err)
 	}
-	_, err = migrate.Up(ctx, db)
+	_, err := migrate.Up(ctx, db)
 	if !errors.Is(err, migrate.ErrSchemaInUse) || !strings.Contains(err.Error(), "1 routines") {
 		t.Fatalf("migrate up into a user's schema idem: %v", err)
 	}
