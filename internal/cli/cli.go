@@ -189,6 +189,24 @@ func (fs *flagSet) parse(args []string) error {
 	return nil
 }
 
+// isHelp reports whether a command's first argument asks for help.
+func isHelp(arg string) bool {
+	switch arg {
+	case "-h", "-help", "--help", "help":
+		return true
+	}
+	return false
+}
+
+// subcommandHelp prints a command's subcommands and flags, for
+// `idemctl <command> --help`.
+func subcommandHelp(w io.Writer, usage string, fs *flagSet) error {
+	fmt.Fprintf(w, "Usage: idemctl %s\n\nFlags:\n", usage)
+	fs.SetOutput(w)
+	fs.PrintDefaults()
+	return flag.ErrHelp
+}
+
 func printUsage(w io.Writer) {
 	fmt.Fprintln(w, "idemctl: operate idem, the Postgres-native idempotency kit")
 	fmt.Fprintln(w, "\nUsage: idemctl <command> [flags]\n\nCommands:")

@@ -2,8 +2,10 @@ package cli
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/idemkit/idem/internal/testdb"
 )
@@ -96,5 +98,48 @@ func TestPasswordsNeverPrinted(t *testing.T) {
 		if strings.Contains(r.out+r.errout, "s3cr3t-hunter2") {
 			t.Errorf("%v printed the password:\n%s%s", args[:2], r.out, r.errout)
 		}
+	}
+}
+
+// TestHelpEverywhere: --help works for every command and subcommand, exit 0.
+func TestHelpEverywhere(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for _, args := range [][]string{
+		{"--help"}, {"migrate", "--help"}, {"migrate", "-h"}, {"migrate", "up", "--help"}, {"migrate", "down", "--help"},
+		{"migrate", "status", "--help"}, {"migrate", "version", "--help"},
+		{"partitions", "--help"}, {"partitions", "rotate", "--help"}, {"partitions", "list", "--help"},
+		{"prune", "--help"}, {"run", "--help"}, {"stats", "--help"}, {"check", "--help"}, {"grant", "--help"}, {"demo", "--help"},
+	} {
+		r := idemctl(t, ctx, nil, args...)
+		if r.code != 0 || !strings.Contains(r.out, "Usage") {
+			t.Errorf("%v: exit %d\nstdout: %s\nstderr: %s", args, r.code, r.out, r.errout)
+		}
+	}
+}
+
+// TestGrantSameRoleRefused: one role as both application and maintainer
+// would let the application read every stored result.
+func TestGrantSameRoleRefused(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.Pool(t, url, 1)
+	role := fmt.Sprintf("idem_same_%d", time.Now().UnixNano())
+	if _, err := pool.Exec(ctx, "CREATE ROLE "+role); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = pool.Exec(context.Background(), "DROP OWNED BY "+role)
+		_, _ = pool.Exec(context.Background(), "DROP ROLE "+role)
+	})
+	r := idemctl(t, ctx, nil, "grant", "--database-url", url, "--app", role, "--maintainer", strings.ToUpper(role))
+	if r.code != ExitUsage {
+		t.Fatalf("grant --app r --maintainer R: %+v", r)
+	}
+	oneLine(t, r.errout, "name the same role")
+	var can bool
+	if err := pool.QueryRow(ctx, `SELECT has_function_privilege($1, 'idem.claim(text,text,text,interval,interval,text,interval)', 'EXECUTE')`, role).Scan(&can); err != nil || can {
+		t.Fatalf("the refused grant granted something: %v %v", can, err)
 	}
 }

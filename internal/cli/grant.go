@@ -27,6 +27,15 @@ func runGrant(ctx context.Context, io IO, g *globals, args []string) error {
 		return err
 	}
 	defer pool.Close()
+	if *app != "" && *maint != "" {
+		var same bool
+		if err := pool.QueryRow(ctx, `SELECT $1::regrole = $2::regrole`, *app, *maint).Scan(&same); err != nil {
+			return fmt.Errorf("resolve the roles: %w", err)
+		}
+		if same {
+			return usageErr("--app and --maintainer name the same role %q: the application role would read every stored result; use two roles", *app)
+		}
+	}
 	// The role name travels as a parameter and is resolved by ::regrole,
 	// which quotes it in the GRANTs; nothing is spliced into SQL here.
 	for _, x := range []struct{ fn, role string }{{"idem.grant_app", *app}, {"idem.grant_maintainer", *maint}} {

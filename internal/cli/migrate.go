@@ -19,6 +19,9 @@ func runMigrate(ctx context.Context, io IO, g *globals, args []string) error {
 	fs := newFlagSet("migrate", io, g)
 	to := fs.Int64("to", -1, "up: apply migrations up to this version; down: roll back to this version (0 removes everything but the schema)")
 	force := fs.Bool("force", false, "down: drop the stored keys too (a down to version 0 refuses while keys are stored)")
+	if len(args) > 0 && isHelp(args[0]) {
+		return subcommandHelp(io.Out, "migrate up [--to N] | down [--to N] [--force] | status | version [flags]", fs)
+	}
 	if len(args) == 0 {
 		return usageErr("migrate needs a subcommand: up, down, status or version")
 	}

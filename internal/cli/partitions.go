@@ -31,6 +31,12 @@ func (r *rotateFlags) register(fs *flag.FlagSet) {
 }
 
 func runPartitions(ctx context.Context, io IO, g *globals, args []string) error {
+	if len(args) > 0 && isHelp(args[0]) {
+		fs := newFlagSet("partitions", io, g)
+		var r rotateFlags
+		r.register(fs.FlagSet)
+		return subcommandHelp(io.Out, "partitions rotate [flags] | list [--json]\n\nrotate: premake months, move default-partition rows, retire expired months; list: the partitions", fs)
+	}
 	if len(args) == 0 {
 		return usageErr("partitions needs a subcommand: rotate or list")
 	}
