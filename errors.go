@@ -191,12 +191,15 @@ func transient(err error) bool {
 	}
 	var pg *pgconn.PgError
 	if errors.As(err, &pg) {
-		switch pg.Code[:2] {
-		case "08", "40", "53", "57", "58":
+		switch pg.Code {
+		case "26000", "42P05", "55P03":
 			return true
 		}
-		switch pg.Code {
-		case "26000", "42P05", "55P03", "55006":
+		if len(pg.Code) != 5 {
+			return false
+		}
+		switch pg.Code[:2] {
+		case "08", "40", "53", "57", "58":
 			return true
 		}
 		return false
