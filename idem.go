@@ -142,20 +142,33 @@ type Client struct {
 	d      driver
 	cfg    Config
 	cfgErr error
-	mode   *execMode // pgx clients: shared with the clients WithTx derives
+	mode   *execMode      // pgx clients: shared with the clients WithTx derives
+	wait   *time.Duration // Config.LockWait as claim's lock_wait: nil for the database's default
 }
 
 // New returns a Client over a pgx pool, connection or transaction.
 func New(db PgxExecutor, cfg *Config) *Client {
 	c, err := defaults(cfg)
 	mode := &execMode{fixed: c.QueryExecMode, log: c.Logger}
-	return &Client{d: newPgxDriver(db, mode), cfg: c, cfgErr: err, mode: mode}
+	return &Client{d: newPgxDriver(db, mode), cfg: c, cfgErr: err, mode: mode, wait: lockWait(c.LockWait)}
 }
 
 // NewSQL returns a Client over database/sql: a *sql.DB, *sql.Conn or *sql.Tx.
 func NewSQL(db SQLExecutor, cfg *Config) *Client {
 	c, err := defaults(cfg)
-	return &Client{d: sqlDriver{q: sqldb.New(db), db: db}, cfg: c, cfgErr: err}
+	return &Client{d: sqlDriver{q: sqldb.New(db), db: db}, cfg: c, cfgErr: err, wait: lockWait(c.LockWait)}
+}
+
+// lockWait turns Config.LockWait into claim's lock_wait: 0 is the
+// database's default (nil), negative is no wait at all.
+func lockWait(d time.Duration) *time.Duration {
+	switch {
+	case d < 0:
+		return new(time.Duration)
+	case d > 0:
+		return &d
+	}
+	return nil
 }
 
 func defaults(cfg *Config) (Config, error) {
@@ -186,12 +199,12 @@ func (c *Client) WithTx(tx pgx.Tx) *Client {
 	if mode == nil { // a database/sql client: tx's own mode
 		mode = &execMode{fixed: c.cfg.QueryExecMode, log: c.cfg.Logger}
 	}
-	return &Client{d: newPgxDriver(tx, mode), cfg: c.cfg, cfgErr: c.cfgErr, mode: mode}
+	return &Client{d: newPgxDriver(tx, mode), cfg: c.cfg, cfgErr: c.cfgErr, mode: mode, wait: c.wait}
 }
 
 // WithSQLTx is WithTx for database/sql.
 func (c *Client) WithSQLTx(tx *sql.Tx) *Client {
-	return &Client{d: sqlDriver{q: sqldb.New(tx), db: tx}, cfg: c.cfg, cfgErr: c.cfgErr}
+	return &Client{d: sqlDriver{q: sqldb.New(tx), db: tx}, cfg: c.cfg, cfgErr: c.cfgErr, wait: c.wait}
 }
 
 // ClaimOption adjusts one claim.
@@ -217,20 +230,11 @@ func WithEventType(t string) ClaimOption { return func(a *claimArgs) { a.eventTy
 
 // Claim asks to own the work for (source, key).
 func (c *Client) Claim(ctx context.Context, source, key string, opts ...ClaimOption) (*Claim, error) {
-	if c.cfgErr != nil {
-		return nil, c.cfgErr
-	}
-	a := claimArgs{source: source, key: key}
-	switch {
-	case c.cfg.LockWait < 0:
-		a.lockWait = new(time.Duration)
-	case c.cfg.LockWait > 0:
-		a.lockWait = &c.cfg.LockWait
-	}
+	a := claimArgs{source: source, key: key, lockWait: c.wait}
 	for _, o := range opts {
 		o(&a)
 	}
-	if err := checkText("claim", source, key, a.fingerprint, a.eventType); err != nil {
+	if err := c.check("claim", source, key, a.fingerprint, a.eventType); err != nil {
 		return nil, err
 	}
 	cl, err := c.d.claim(ctx, a)
@@ -244,10 +248,7 @@ func (c *Client) Claim(ctx context.Context, source, key string, opts ...ClaimOpt
 // token. It returns ErrStaleToken if another worker owns the key now, and
 // nil when the same token already completed it.
 func (c *Client) Complete(ctx context.Context, source, key string, token int64, result json.RawMessage) error {
-	if c.cfgErr != nil {
-		return c.cfgErr
-	}
-	if err := checkText("complete", source, key); err != nil {
+	if err := c.check("complete", source, key); err != nil {
 		return err
 	}
 	if result != nil && !json.Valid(result) {
@@ -266,10 +267,7 @@ func (c *Client) Complete(ctx context.Context, source, key string, token int64, 
 // character). Later claims answer Completed with no Result and Claim.Error
 // giving reason, instead of running the work again. Do calls it by itself.
 func (c *Client) CompleteUnstored(ctx context.Context, source, key string, token int64, reason string) error {
-	if c.cfgErr != nil {
-		return c.cfgErr
-	}
-	if err := checkText("complete", source, key); err != nil {
+	if err := c.check("complete", source, key); err != nil {
 		return err
 	}
 	out, err := c.d.completeUnstored(ctx, source, key, token, sanitize(reason))
@@ -283,10 +281,7 @@ func (c *Client) CompleteUnstored(ctx context.Context, source, key string, token
 // lets the next claim re-acquire the key; a permanent one answers Failed
 // until the key expires.
 func (c *Client) Fail(ctx context.Context, source, key string, token int64, msg string, retryable bool) error {
-	if c.cfgErr != nil {
-		return c.cfgErr
-	}
-	if err := checkText("fail", source, key); err != nil {
+	if err := c.check("fail", source, key); err != nil {
 		return err
 	}
 	out, err := c.d.fail(ctx, source, key, token, sanitize(msg), retryable)
@@ -299,10 +294,7 @@ func (c *Client) Fail(ctx context.Context, source, key string, token int64, msg 
 // Extend pushes the lease of the work owned by token to now+lease (the
 // source's policy lease when lease is 0) and returns the new expiry.
 func (c *Client) Extend(ctx context.Context, source, key string, token int64, lease time.Duration) (time.Time, error) {
-	if c.cfgErr != nil {
-		return time.Time{}, c.cfgErr
-	}
-	if err := checkText("extend", source, key); err != nil {
+	if err := c.check("extend", source, key); err != nil {
 		return time.Time{}, err
 	}
 	out, until, err := c.d.extend(ctx, source, key, token, lease)
@@ -310,6 +302,15 @@ func (c *Client) Extend(ctx context.Context, source, key string, token int64, le
 		return time.Time{}, convert("extend", source, key, err)
 	}
 	return until, outcomeErr("extend", source, key, out)
+}
+
+// check is every operation's preamble: an invalid Config, then what
+// PostgreSQL text cannot hold.
+func (c *Client) check(op, source, key string, more ...string) error {
+	if c.cfgErr != nil {
+		return c.cfgErr
+	}
+	return checkText(op, source, key, more...)
 }
 
 type errorString string
