@@ -87,8 +87,8 @@ func (c *Client) Do(ctx context.Context, source, key string, fn func(ctx context
 	stop := c.heartbeat(workCtx, cancel, cl, sent)
 	value, runErr := run(workCtx, fn)
 	stop()
-	if cause := context.Cause(workCtx); runErr != nil && errors.Is(cause, ErrLeaseLost) && !errors.Is(runErr, ErrLeaseLost) {
-		runErr = fmt.Errorf("%w: %w", ErrLeaseLost, runErr)
+	if runErr != nil && errors.Is(context.Cause(workCtx), ErrLeaseLost) {
+		runErr = leaseLost(runErr)
 	}
 
 	if runErr != nil {
@@ -114,7 +114,7 @@ func (c *Client) Do(ctx context.Context, source, key string, fn func(ctx context
 		}
 	}
 	if errors.Is(err, ErrStaleToken) {
-		return res, fmt.Errorf("%w: %w", ErrLeaseLost, err)
+		return res, leaseLost(err)
 	}
 	if !unstorable(err) {
 		if c.d.concurrent() {
@@ -134,12 +134,20 @@ func (c *Client) Do(ctx context.Context, source, key string, fn func(ctx context
 	})
 	if uerr != nil {
 		if errors.Is(uerr, ErrStaleToken) {
-			uerr = fmt.Errorf("%w: %w", ErrLeaseLost, uerr)
+			uerr = leaseLost(uerr)
 		}
 		return res, errors.Join(err, uerr)
 	}
 	res.NotStored = "result not stored: " + err.Error()
 	return res, &Error{Op: "complete", Source: source, Key: key, Kind: ErrResultNotStored, Err: err}
+}
+
+// leaseLost marks err as the consequence of a lost lease (once).
+func leaseLost(err error) error {
+	if errors.Is(err, ErrLeaseLost) {
+		return err
+	}
+	return fmt.Errorf("%w: %w", ErrLeaseLost, err)
 }
 
 // unstorable reports an error of a result that can never be stored.
