@@ -220,7 +220,10 @@ SELECT e.source::text                                                        AS 
        (count(*) FILTER (WHERE e.status = 'completed'
                           AND e.last_error IS NOT NULL))::bigint             AS unstored,
        (count(*) FILTER (WHERE e.status = 'failed'))::bigint                 AS failed,
-       coalesce(sum(e.duplicates), 0)::bigint                                AS duplicates,
+       -- Duplicates per source are counted in idem.duplicate_counts (sampled,
+       -- unlogged); per-key counts in the rows only when a policy asks.
+       coalesce((SELECT sum(d.duplicates) FROM idem.duplicate_counts d
+                  WHERE d.source = e.source), 0)::bigint                     AS duplicates,
        (count(*) FILTER (WHERE e.attempts > 1))::bigint                      AS retried,
        (count(*) FILTER (WHERE e.status = 'processing'
                           AND e.lease_expires_at < idem.clock()))::bigint     AS stuck,

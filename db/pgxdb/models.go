@@ -8,6 +8,21 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
+type IdemDuplicateCount struct {
+	Source     string
+	Slot       int32
+	Duplicates int64
+	Since      pgtype.Timestamptz
+	LastSeenAt pgtype.Timestamptz
+}
+
+// Per source ('*': every source), an upper bound on expires_at - first_seen of its rows; a claim uses the larger of its source's and '*'. Only ever raised; managed by idem.
+type IdemLookback struct {
+	Source   string
+	Lookback pgtype.Interval
+	RaisedAt pgtype.Timestamptz
+}
+
 type IdemMaintenanceLock struct {
 	Name       string
 	Holder     string
@@ -23,6 +38,8 @@ type IdemPolicy struct {
 	DuplicateSampling int32
 	Description       *string
 	UpdatedAt         pgtype.Timestamptz
+	// Also count sampled duplicates in the key's own row (processed_events.duplicates, last_seen_at): a logged write on the duplicate path. Off by default; per-source counts are always kept in idem.duplicate_counts.
+	CountPerKey bool
 }
 
 type IdemProcessedEvent struct {

@@ -11,6 +11,21 @@ import (
 	"github.com/sqlc-dev/pqtype"
 )
 
+type IdemDuplicateCount struct {
+	Source     string
+	Slot       int32
+	Duplicates int64
+	Since      sql.NullTime
+	LastSeenAt sql.NullTime
+}
+
+// Per source ('*': every source), an upper bound on expires_at - first_seen of its rows; a claim uses the larger of its source's and '*'. Only ever raised; managed by idem.
+type IdemLookback struct {
+	Source   string
+	Lookback int64
+	RaisedAt sql.NullTime
+}
+
 type IdemMaintenanceLock struct {
 	Name       string
 	Holder     string
@@ -26,6 +41,8 @@ type IdemPolicy struct {
 	DuplicateSampling int32
 	Description       sql.NullString
 	UpdatedAt         sql.NullTime
+	// Also count sampled duplicates in the key's own row (processed_events.duplicates, last_seen_at): a logged write on the duplicate path. Off by default; per-source counts are always kept in idem.duplicate_counts.
+	CountPerKey bool
 }
 
 type IdemProcessedEvent struct {

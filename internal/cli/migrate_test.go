@@ -17,13 +17,13 @@ func TestMigrateCommand(t *testing.T) {
 		args []string
 		want string
 	}{
-		{[]string{"migrate", "up"}, "applied 00004_idem_faults.sql"},
+		{[]string{"migrate", "up"}, "applied 00005_idem_claim_v2.sql"},
 		{[]string{"migrate", "up"}, "idem schema is up to date"},
-		{[]string{"migrate", "version"}, "4"},
+		{[]string{"migrate", "version"}, "5"},
 		{[]string{"migrate", "status"}, "00001_idem_core.sql                      applied"},
-		{[]string{"migrate", "down"}, "rolled back 00004_idem_faults.sql"},
-		{[]string{"migrate", "up", "--to", "3"}, "idem schema is up to date"},
-		{[]string{"migrate", "version"}, "3"},
+		{[]string{"migrate", "down"}, "rolled back 00005_idem_claim_v2.sql"},
+		{[]string{"migrate", "up", "--to", "4"}, "idem schema is up to date"},
+		{[]string{"migrate", "version"}, "4"},
 		{[]string{"migrate", "down", "--to", "0"}, "rolled back 00001_idem_core.sql"},
 		{[]string{"migrate", "down"}, "nothing to roll back"},
 		{[]string{"migrate", "version"}, "0"},
