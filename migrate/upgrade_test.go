@@ -123,3 +123,134 @@ func TestUpgradeTo4(t *testing.T) {
 	}
 	check(t, "down and up again")
 }
+
+// TestUpgradeTo5: version 4 holding keys spread over several months (one
+// first seen four months ago whose expires_at was pushed 30 days ahead by
+// extends, one of a one-year source first seen eight months ago, a leased
+// one, per-key duplicate counts) and an application and a maintainer role
+// is upgraded to version 5 (claim v2, which probes only the months a live
+// row can be in): every key answers as before, the leased one completes with
+// its old token, the counts and rights carry over; down to 4 and up again.
+func TestUpgradeTo5(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.NewEmpty(t)
+	db, err := sql.Open("pgx", url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	p, err := migrate.NewProvider(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.UpTo(ctx, 4); err != nil {
+		t.Fatal(err)
+	}
+	suffix := time.Now().UnixNano()
+	app, maint := fmt.Sprintf("idem_up5_app_%d", suffix), fmt.Sprintf("idem_up5_maint_%d", suffix)
+	for _, role := range []string{app, maint} {
+		if _, err := db.ExecContext(ctx, `CREATE ROLE `+role); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			_, _ = db.ExecContext(context.Background(), `DROP OWNED BY `+role)
+			_, _ = db.ExecContext(context.Background(), `DROP ROLE `+role)
+		})
+	}
+	if _, err := db.ExecContext(ctx, `SELECT idem.grant_app($1::regrole), idem.grant_maintainer($2::regrole)`, app, maint); err != nil {
+		t.Fatal(err)
+	}
+	month := func(add int) time.Time { return testdb.MonthStart(time.Now(), add) }
+	for _, m := range []int{-8, -4, -3, -1} {
+		if _, err := db.ExecContext(ctx, `SELECT idem.create_partition($1::date)`, month(m)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := db.ExecContext(ctx, `INSERT INTO idem.policies (source, ttl, lease) VALUES ('year', '1 year', '1 minute')`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.ExecContext(ctx, `
+		INSERT INTO idem.processed_events (source, key, first_seen_month, status, token, lease_expires_at, result, first_seen, updated_at, expires_at, duplicates)
+		VALUES ('up', 'extended-4', $1::date, 'completed', idem.new_token(), NULL, '{"v": 4}', $1::date + interval '2 days', now(), now() + interval '30 days', 0),
+		       ('up', 'done-3', $2::date, 'completed', idem.new_token(), NULL, '{"v": 3}', $2::date + interval '20 days', now(), now() + interval '1 day', 16),
+		       ('year', 'old-8', $3::date, 'completed', idem.new_token(), NULL, '{"v": 8}', $3::date + interval '3 days', now(), $3::date + interval '3 days 1 year', 8),
+		       ('up', 'leased-1', $4::date, 'processing', 42, now() + interval '1 hour', NULL, $4::date + interval '1 day', now(), now() + interval '30 days', 0)`,
+		month(-4), month(-3), month(-8), month(-1)); err != nil {
+		t.Fatal(err)
+	}
+
+	check := func(t *testing.T, stage string) {
+		t.Helper()
+		pool, err := pgxpool.New(ctx, url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer pool.Close()
+		c := idem.New(pool, nil)
+		for key, want := range map[[2]string]string{{"up", "extended-4"}: `{"v": 4}`, {"up", "done-3"}: `{"v": 3}`, {"year", "old-8"}: `{"v": 8}`} {
+			if cl, err := c.Claim(ctx, key[0], key[1]); err != nil || cl.Outcome != idem.Completed || string(cl.Result) != want {
+				t.Fatalf("%s: %v: %+v %v", stage, key, cl, err)
+			}
+		}
+		if cl, err := c.Claim(ctx, "up", "leased-1"); err != nil || cl.Outcome != idem.InProgress {
+			t.Fatalf("%s: a leased key: %+v %v", stage, cl, err)
+		}
+		var ok bool
+		if err := pool.QueryRow(ctx, `SELECT has_function_privilege($1, 'idem.claim(text,text,text,interval,interval,text,interval)', 'EXECUTE')
+		                                   AND NOT has_function_privilege($1, 'idem.prune_batch(text,integer)', 'EXECUTE')
+		                                   AND has_function_privilege($2, 'idem.prune_batch(text,integer)', 'EXECUTE')`, app, maint).Scan(&ok); err != nil || !ok {
+			t.Fatalf("%s: the roles' rights: %v %v", stage, ok, err)
+		}
+	}
+	check(t, "version 4")
+	var want int64 // version 4 counted some of check's duplicates in the rows
+	if err := db.QueryRowContext(ctx, `SELECT sum(duplicates) FROM idem.processed_events`).Scan(&want); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.Up(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var lookback time.Duration
+	var dups int64
+	var maintOK bool
+	if err := db.QueryRowContext(ctx, `
+		SELECT extract(epoch FROM (SELECT max(lookback) FROM idem.lookbacks WHERE source IN ('up', '*')))::bigint * 1000000000,
+		       (SELECT sum(duplicates) FROM idem.duplicate_counts WHERE source IN ('up', 'year')),
+		       has_table_privilege($1, 'idem.lookbacks', 'SELECT') AND has_table_privilege($1, 'idem.duplicate_counts', 'SELECT')
+		       AND has_function_privilege($1, 'idem.compact_duplicate_counts()', 'EXECUTE')`, maint).Scan(&lookback, &dups, &maintOK); err != nil {
+		t.Fatal(err)
+	}
+	if lookback < 120*24*time.Hour || dups != want || !maintOK {
+		t.Fatalf("after the upgrade: lookback of 'up' %s (want at least the 4 months its oldest live key needs), carried duplicates %d (want %d), maintainer rights %v",
+			lookback, dups, want, maintOK)
+	}
+	check(t, "after the upgrade to 5")
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := idem.New(pool, nil).Complete(ctx, "up", "leased-1", 42, json.RawMessage(`{"v": 1}`)); err != nil {
+		t.Fatalf("completing a version-4 lease with its token: %v", err)
+	}
+	pool.Close()
+
+	if _, err := p.DownTo(ctx, 4); err != nil {
+		t.Fatal(err)
+	}
+	var outcome string
+	if err := db.QueryRowContext(ctx, `SELECT outcome FROM idem.claim('up', 'extended-4')`).Scan(&outcome); err != nil || outcome != "completed" {
+		t.Fatalf("version 4 again: %q %v", outcome, err)
+	}
+	if _, err := p.Up(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := db.QueryRowContext(ctx, `SELECT outcome FROM idem.claim('up', 'leased-1')`).Scan(&outcome); err != nil || outcome != "completed" {
+		t.Fatalf("down and up again: %q %v", outcome, err)
+	}
+	for _, k := range [][2]string{{"up", "extended-4"}, {"year", "old-8"}} {
+		if err := db.QueryRowContext(ctx, `SELECT outcome FROM idem.claim($1, $2)`, k[0], k[1]).Scan(&outcome); err != nil || outcome != "completed" {
+			t.Fatalf("down and up again: %v: %q %v", k, outcome, err)
+		}
+	}
+}
