@@ -209,8 +209,8 @@ REVOKE ALL ON FUNCTION idem.count_duplicate(text, text, date, integer, boolean, 
 -- +goose StatementEnd
 
 -- +goose StatementBegin
--- Folds every slot of a source into slot 0 (maintenance; `idemctl prune`
--- runs it). Skips rows a live session is writing.
+-- Folds every slot of a source into slot 0 (maintainers may run it; rows
+-- a live session is writing are skipped).
 CREATE FUNCTION idem.compact_duplicate_counts() RETURNS bigint
     LANGUAGE plpgsql VOLATILE
     SECURITY DEFINER
