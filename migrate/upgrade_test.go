@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/pressly/goose/v3"
 
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/internal/testdb"
@@ -23,16 +24,7 @@ import (
 func TestUpgradeTo4(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	url := testdb.NewEmpty(t)
-	db, err := sql.Open("pgx", url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
-	p, err := migrate.NewProvider(db)
-	if err != nil {
-		t.Fatal(err)
-	}
+	url, db, p := setupAt(t)
 	if _, err := p.UpTo(ctx, 3); err != nil {
 		t.Fatal(err)
 	}
@@ -134,16 +126,7 @@ func TestUpgradeTo4(t *testing.T) {
 func TestUpgradeTo5(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	url := testdb.NewEmpty(t)
-	db, err := sql.Open("pgx", url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
-	p, err := migrate.NewProvider(db)
-	if err != nil {
-		t.Fatal(err)
-	}
+	url, db, p := setupAt(t)
 	if _, err := p.UpTo(ctx, 4); err != nil {
 		t.Fatal(err)
 	}
@@ -253,4 +236,20 @@ func TestUpgradeTo5(t *testing.T) {
 			t.Fatalf("down and up again: %v: %q %v", k, outcome, err)
 		}
 	}
+}
+
+// setupAt opens an empty database and a migration provider on it.
+func setupAt(t *testing.T) (string, *sql.DB, *goose.Provider) {
+	t.Helper()
+	url := testdb.NewEmpty(t)
+	db, err := sql.Open("pgx", url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	p, err := migrate.NewProvider(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return url, db, p
 }
