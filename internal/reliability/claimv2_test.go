@@ -201,7 +201,8 @@ func TestLookback(t *testing.T) {
 				}
 			}
 			if _, err := admin.Exec(ctx, `INSERT INTO idem.policies (source, ttl, lease) VALUES
-				('long', '200 days', '1 minute'), ('raised', '10 days', '1 minute'), ('ext', '7 days', '7 days')`); err != nil {
+				('long', '200 days', '1 minute'), ('raised', '10 days', '1 minute'), ('ext', '7 days', '7 days'),
+				('re', '30 days', '7 days')`); err != nil {
 				t.Fatal(err)
 			}
 
@@ -235,30 +236,32 @@ func TestLookback(t *testing.T) {
 				t.Errorf("a key 250 days into its own 300-day ttl: %s, want completed", o)
 			}
 
-			// A lease extended past the original retention (7 days): the
-			// key stays in progress 18 days on, in the next month.
+			// Extends past the original retention (7 days) and past the
+			// default policy's (30 days), which every source's lookback
+			// includes: the key stays in progress 36 days on.
 			_, tok = claim(p0, "ext", "k", "")
-			for _, d := range []time.Duration{6 * day, 12 * day} {
+			for d := 6 * day; d <= 30*day; d += 6 * day {
 				var o string
 				if err := at(d).QueryRow(ctx, `SELECT outcome FROM idem.extend('ext', 'k', $1, interval '7 days')`, tok).Scan(&o); err != nil || o != "extended" {
 					t.Fatalf("extend at +%s: %q %v", d, o, err)
 				}
 			}
-			if o, _ := claim(at(18*day), "ext", "k", ""); o != "in_progress" {
-				t.Errorf("a key whose lease was extended to +19 days, at +18 days: %s, want in_progress", o)
+			if o, _ := claim(at(36*day), "ext", "k", ""); o != "in_progress" {
+				t.Errorf("a key whose lease was extended to +37 days, at +36 days: %s, want in_progress", o)
 			}
-			// A reacquire that pushes expires_at: lease lost at +6.5 days,
-			// taken over with a 7-day lease, asked again at +13 days.
-			_, _ = claim(p0, "ext", "re", ", lease => interval '6 days'")
-			o, tok2 := claim(at(6*day+12*time.Hour), "ext", "re", "")
+			// A reacquire that pushes expires_at past the retention: a
+			// 30-day key whose lease was lost is taken over at +29 days with
+			// a 7-day lease and asked again at +35 days.
+			_, _ = claim(p0, "re", "k", "")
+			o, tok2 := claim(at(29*day), "re", "k", "")
 			if o != "acquired" {
 				t.Fatalf("reacquire after the lease: %s", o)
 			}
-			if o, _ := claim(at(13*day), "ext", "re", ""); o != "in_progress" {
-				t.Errorf("a reacquired key at +13 days (lease to +13.5): %s, want in_progress", o)
+			if o, _ := claim(at(35*day), "re", "k", ""); o != "in_progress" {
+				t.Errorf("a reacquired key at +35 days (lease to +36): %s, want in_progress", o)
 			}
-			complete(at(13*day), "ext", "re", tok2)
-			if o, _ := claim(at(13*day+time.Hour), "ext", "re", ""); o != "completed" {
+			complete(at(35*day), "re", "k", tok2)
+			if o, _ := claim(at(35*day+time.Hour), "re", "k", ""); o != "completed" {
 				t.Errorf("the reacquired key completed: %s", o)
 			}
 		})
