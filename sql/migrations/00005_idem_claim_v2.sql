@@ -546,6 +546,7 @@ AS $$
 DECLARE
     v_now    timestamptz;
     v_month  date;
+    v_window date[];
     v_status text;
     v_token  bigint;
 BEGIN
@@ -560,24 +561,20 @@ BEGIN
     END IF;
     v_now := idem.clock();
     v_month := idem.utc_month(v_now);
-    UPDATE idem.processed_events e
-       SET status = 'completed', result = complete.result, completed_at = v_now, updated_at = v_now,
-           lease_expires_at = NULL, retryable = NULL, last_error = NULL
-     WHERE e.source = complete.source AND e.key = complete.key
-       AND e.first_seen_month >= (v_month - interval '1 month')::date
-       AND e.first_seen_month <= (v_month + interval '1 month')::date
-       AND e.token = complete.token AND e.status = 'processing';
-    IF FOUND THEN
-        RETURN 'completed';
-    END IF;
-    UPDATE idem.processed_events e
-       SET status = 'completed', result = complete.result, completed_at = v_now, updated_at = v_now,
-           lease_expires_at = NULL, retryable = NULL, last_error = NULL
-     WHERE e.source = complete.source AND e.key = complete.key
-       AND e.token = complete.token AND e.status = 'processing';
-    IF FOUND THEN
-        RETURN 'completed';
-    END IF;
+    -- The previous, current and next month first (where a key being
+    -- worked on almost always is: a few partitions), then every month.
+    FOREACH v_window SLICE 1 IN ARRAY ARRAY[[(v_month - interval '1 month')::date, (v_month + interval '1 month')::date],
+                                           ['-infinity'::date, 'infinity'::date]] LOOP
+        UPDATE idem.processed_events e
+           SET status = 'completed', result = complete.result, completed_at = v_now, updated_at = v_now,
+               lease_expires_at = NULL, retryable = NULL, last_error = NULL
+         WHERE e.source = complete.source AND e.key = complete.key
+           AND e.first_seen_month >= v_window[1] AND e.first_seen_month <= v_window[2]
+           AND e.token = complete.token AND e.status = 'processing';
+        IF FOUND THEN
+            RETURN 'completed';
+        END IF;
+    END LOOP;
     SELECT e.status, e.token INTO v_status, v_token
       FROM idem.processed_events e
      WHERE e.source = complete.source AND e.key = complete.key
@@ -605,6 +602,7 @@ AS $$
 DECLARE
     v_now    timestamptz;
     v_month  date;
+    v_window date[];
     v_status text;
     v_token  bigint;
     v_error  text;
@@ -616,24 +614,20 @@ BEGIN
     v_now := idem.clock();
     v_month := idem.utc_month(v_now);
     v_error := left('result not stored: ' || coalesce(complete_unstored.reason, 'no reason given'), 8192);
-    UPDATE idem.processed_events e
-       SET status = 'completed', result = NULL, completed_at = v_now, updated_at = v_now,
-           lease_expires_at = NULL, retryable = NULL, last_error = v_error
-     WHERE e.source = complete_unstored.source AND e.key = complete_unstored.key
-       AND e.first_seen_month >= (v_month - interval '1 month')::date
-       AND e.first_seen_month <= (v_month + interval '1 month')::date
-       AND e.token = complete_unstored.token AND e.status = 'processing';
-    IF FOUND THEN
-        RETURN 'completed';
-    END IF;
-    UPDATE idem.processed_events e
-       SET status = 'completed', result = NULL, completed_at = v_now, updated_at = v_now,
-           lease_expires_at = NULL, retryable = NULL, last_error = v_error
-     WHERE e.source = complete_unstored.source AND e.key = complete_unstored.key
-       AND e.token = complete_unstored.token AND e.status = 'processing';
-    IF FOUND THEN
-        RETURN 'completed';
-    END IF;
+    -- The previous, current and next month first (where a key being
+    -- worked on almost always is: a few partitions), then every month.
+    FOREACH v_window SLICE 1 IN ARRAY ARRAY[[(v_month - interval '1 month')::date, (v_month + interval '1 month')::date],
+                                           ['-infinity'::date, 'infinity'::date]] LOOP
+        UPDATE idem.processed_events e
+           SET status = 'completed', result = NULL, completed_at = v_now, updated_at = v_now,
+               lease_expires_at = NULL, retryable = NULL, last_error = v_error
+         WHERE e.source = complete_unstored.source AND e.key = complete_unstored.key
+           AND e.first_seen_month >= v_window[1] AND e.first_seen_month <= v_window[2]
+           AND e.token = complete_unstored.token AND e.status = 'processing';
+        IF FOUND THEN
+            RETURN 'completed';
+        END IF;
+    END LOOP;
     SELECT e.status, e.token INTO v_status, v_token
       FROM idem.processed_events e
      WHERE e.source = complete_unstored.source AND e.key = complete_unstored.key
@@ -661,6 +655,7 @@ AS $$
 DECLARE
     v_now   timestamptz;
     v_month date;
+    v_window date[];
     v_error text;
 BEGIN
     PERFORM idem.check_key('idem.fail', fail.source, fail.key);
@@ -670,24 +665,20 @@ BEGIN
     v_now := idem.clock();
     v_month := idem.utc_month(v_now);
     v_error := left(coalesce(fail.error, 'failed'), 8192);
-    UPDATE idem.processed_events e
-       SET status = 'failed', retryable = coalesce(fail.retryable, true),
-           last_error = v_error, lease_expires_at = NULL, updated_at = v_now
-     WHERE e.source = fail.source AND e.key = fail.key
-       AND e.first_seen_month >= (v_month - interval '1 month')::date
-       AND e.first_seen_month <= (v_month + interval '1 month')::date
-       AND e.token = fail.token AND e.status = 'processing';
-    IF FOUND THEN
-        RETURN 'failed';
-    END IF;
-    UPDATE idem.processed_events e
-       SET status = 'failed', retryable = coalesce(fail.retryable, true),
-           last_error = v_error, lease_expires_at = NULL, updated_at = v_now
-     WHERE e.source = fail.source AND e.key = fail.key
-       AND e.token = fail.token AND e.status = 'processing';
-    IF FOUND THEN
-        RETURN 'failed';
-    END IF;
+    -- The previous, current and next month first (where a key being
+    -- worked on almost always is: a few partitions), then every month.
+    FOREACH v_window SLICE 1 IN ARRAY ARRAY[[(v_month - interval '1 month')::date, (v_month + interval '1 month')::date],
+                                           ['-infinity'::date, 'infinity'::date]] LOOP
+        UPDATE idem.processed_events e
+           SET status = 'failed', retryable = coalesce(fail.retryable, true),
+               last_error = v_error, lease_expires_at = NULL, updated_at = v_now
+         WHERE e.source = fail.source AND e.key = fail.key
+           AND e.first_seen_month >= v_window[1] AND e.first_seen_month <= v_window[2]
+           AND e.token = fail.token AND e.status = 'processing';
+        IF FOUND THEN
+            RETURN 'failed';
+        END IF;
+    END LOOP;
     PERFORM 1 FROM idem.processed_events e
      WHERE e.source = fail.source AND e.key = fail.key AND e.token = fail.token AND e.status = 'failed';
     IF FOUND THEN
