@@ -247,6 +247,25 @@ REVOKE ALL ON FUNCTION idem.compact_duplicate_counts() FROM PUBLIC;
 -- +goose StatementEnd
 
 -- +goose StatementBegin
+-- What a live row answers without the key being taken over: mismatch,
+-- completed, failed (permanently), in_progress (live lease), or NULL (a lost
+-- lease or a retryable failure: the claim may take the key). Inlined into
+-- the claim's expressions.
+CREATE FUNCTION idem.settled_outcome(status text, retryable boolean, lease_expires_at timestamptz,
+                                     stored_fingerprint text, fingerprint text, at timestamptz) RETURNS text
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+SELECT CASE
+    WHEN fingerprint IS NOT NULL AND stored_fingerprint IS NOT NULL
+         AND stored_fingerprint <> fingerprint THEN 'mismatch'
+    WHEN status = 'completed' THEN 'completed'
+    WHEN status = 'failed' AND NOT retryable THEN 'failed'
+    WHEN status = 'processing' AND lease_expires_at > at THEN 'in_progress'
+END
+$$;
+-- +goose StatementEnd
+
+-- +goose StatementBegin
 -- idem.claim, version 5 (same signature and outcomes as version 4).
 CREATE OR REPLACE FUNCTION idem.claim(
     source      text,
@@ -376,13 +395,7 @@ BEGIN
          LIMIT 1;
         v_found := FOUND;
         IF v_found THEN
-            outcome := CASE
-                WHEN claim.fingerprint IS NOT NULL AND r.fingerprint IS NOT NULL
-                     AND r.fingerprint <> claim.fingerprint THEN 'mismatch'
-                WHEN r.status = 'completed' THEN 'completed'
-                WHEN r.status = 'failed' AND NOT r.retryable THEN 'failed'
-                WHEN r.status = 'processing' AND r.lease_expires_at > v_now THEN 'in_progress'
-            END;
+            outcome := idem.settled_outcome(r.status, r.retryable, r.lease_expires_at, r.fingerprint, claim.fingerprint, v_now);
             IF outcome IS NOT NULL THEN
                 IF v_sample > 0 AND v_iso <> 'serializable' AND (v_sample = 1 OR random() * v_sample < 1) THEN
                     PERFORM idem.count_duplicate(claim.source, claim.key, r.first_seen_month, v_sample, v_per_key, v_now);
@@ -461,13 +474,7 @@ BEGIN
                    AND e.first_seen_month = idem.utc_month(v_now) AND e.expires_at <= v_now;
                 CONTINUE;
             END IF;
-            outcome := CASE
-                WHEN claim.fingerprint IS NOT NULL AND r.fingerprint IS NOT NULL
-                     AND r.fingerprint <> claim.fingerprint THEN 'mismatch'
-                WHEN r.status = 'completed' THEN 'completed'
-                WHEN r.status = 'failed' AND NOT r.retryable THEN 'failed'
-                WHEN r.status = 'processing' AND r.lease_expires_at > v_now THEN 'in_progress'
-            END;
+            outcome := idem.settled_outcome(r.status, r.retryable, r.lease_expires_at, r.fingerprint, claim.fingerprint, v_now);
             IF outcome IS NOT NULL THEN
                 -- A duplicate: read, not written. Count one in v_sample.
                 IF v_sample > 0 AND v_iso <> 'serializable' AND (v_sample = 1 OR random() * v_sample < 1) THEN
@@ -1260,6 +1267,7 @@ $$;
 
 -- +goose StatementBegin
 DROP FUNCTION IF EXISTS idem.compact_duplicate_counts();
+DROP FUNCTION IF EXISTS idem.settled_outcome(text, boolean, timestamptz, text, text, timestamptz);
 DROP FUNCTION IF EXISTS idem.count_duplicate(text, text, date, integer, boolean, timestamptz);
 DROP TRIGGER IF EXISTS policies_raise_lookback ON idem.policies;
 DROP FUNCTION IF EXISTS idem.policies_raise_lookback();
