@@ -105,6 +105,9 @@ type Config struct {
 	// while a direct connection keeps the statement cache, about a quarter
 	// faster per claim. Set pgx.QueryExecModeExec to start in exec mode.
 	QueryExecMode pgx.QueryExecMode
+	// Observer is told the source, outcome (or error) and duration of
+	// every claim, for metrics (package idemprom). Default: none.
+	Observer Observer
 }
 
 // Defaults of Config.
@@ -230,6 +233,19 @@ func WithEventType(t string) ClaimOption { return func(a *claimArgs) { a.eventTy
 
 // Claim asks to own the work for (source, key).
 func (c *Client) Claim(ctx context.Context, source, key string, opts ...ClaimOption) (*Claim, error) {
+	start := time.Now()
+	cl, err := c.claim(ctx, source, key, opts)
+	if c.cfg.Observer != nil {
+		o := ClaimObservation{Source: source, Err: err, Duration: time.Since(start)}
+		if cl != nil {
+			o.Outcome = cl.Outcome
+		}
+		c.cfg.Observer.ObserveClaim(o)
+	}
+	return cl, err
+}
+
+func (c *Client) claim(ctx context.Context, source, key string, opts []ClaimOption) (*Claim, error) {
 	a := claimArgs{source: source, key: key, lockWait: c.wait}
 	for _, o := range opts {
 		o(&a)

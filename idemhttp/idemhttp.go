@@ -118,6 +118,10 @@ type Config struct {
 	HandlerTimeout time.Duration
 	// Logger receives warnings. Default slog.Default().
 	Logger *slog.Logger
+	// Observer is told how every request was answered, for metrics
+	// (package idemprom). Claims are observed by the Client's own
+	// Config.Observer. Default: none.
+	Observer Observer
 
 	sender    string // set by a webhook preset: its name
 	presetErr error  // a preset's bad secret
@@ -242,16 +246,24 @@ type errRetry struct{ status int }
 func (e errRetry) Error() string { return fmt.Sprintf("handler answered %d", e.status) }
 
 func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	a := m.serve(w, r)
+	if m.cfg.Observer != nil {
+		m.cfg.Observer.ObserveAnswer(m.cfg.Source, a)
+	}
+}
+
+// serve answers r and says how.
+func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, m.cfg.MaxRequestBody))
 	if err != nil {
 		var tooBig *http.MaxBytesError
 		if errors.As(err, &tooBig) {
 			problem(w, http.StatusRequestEntityTooLarge, "Request body too large",
 				fmt.Sprintf("The request body exceeds %d bytes.", m.cfg.MaxRequestBody), nil)
-			return
+			return AnswerBadRequest
 		}
 		problem(w, http.StatusBadRequest, "Unreadable request body", err.Error(), nil)
-		return
+		return AnswerBadRequest
 	}
 	r.Body = io.NopCloser(newReader(body))
 	if m.cfg.Verify != nil {
@@ -263,22 +275,22 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			m.cfg.Logger.LogAttrs(r.Context(), slog.LevelWarn, "idemhttp: delivery refused before any claim",
 				slog.String("source", m.cfg.Source), slog.Any("error", err))
 			problem(w, status, title, err.Error(), nil)
-			return
+			return AnswerRefused
 		}
 	}
 	key, eventType, err := m.cfg.Key(r, body)
 	if err != nil {
 		problem(w, http.StatusBadRequest, "Invalid idempotency key", err.Error(), nil)
-		return
+		return AnswerBadRequest
 	}
 	if key == "" {
 		if m.cfg.PassThroughMissingKey {
 			m.next.ServeHTTP(w, r)
-			return
+			return AnswerPassedThrough
 		}
 		problem(w, http.StatusBadRequest, "Idempotency key missing",
 			"This endpoint requires an idempotency key (the Idempotency-Key header, or the sender's delivery id).", nil)
-		return
+		return AnswerBadRequest
 	}
 
 	if m.cfg.Scope != nil {
@@ -316,8 +328,10 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	switch {
 	case err == nil && res.Replayed:
 		m.replay(w, res.Result)
+		return AnswerReplayed
 	case err == nil:
 		rec.flushTo(w)
+		return AnswerRan
 	case errors.Is(err, idem.ErrInProgress):
 		retry := 1 // by the database's clock, never compared with ours
 		if res != nil && res.Claim != nil {
@@ -326,32 +340,40 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		problem(w, http.StatusConflict, "Request in progress",
 			"A request with this idempotency key is being processed; retry later.",
 			map[string]string{"Retry-After": strconv.Itoa(retry)})
+		return AnswerInProgress
 	case errors.Is(err, idem.ErrMismatch):
 		problem(w, http.StatusUnprocessableEntity, "Idempotency key reused",
 			"This idempotency key was used with a different request payload.", nil)
+		return AnswerMismatch
 	case errors.Is(err, idem.ErrFailed):
 		var fe *idem.FailedError
 		errors.As(err, &fe)
 		problem(w, http.StatusUnprocessableEntity, "Request failed permanently", fe.Message, nil)
+		return AnswerFailed
 	case errors.Is(err, idem.ErrInvalidInput):
 		problem(w, http.StatusBadRequest, "Invalid idempotency key", err.Error(), nil)
+		return AnswerBadRequest
 	case rec != nil && errors.Is(err, idem.ErrResultNotStored):
 		// The handler ran and the key is completed without its answer
 		// (duplicates get 200 with no body): send this run's answer.
 		m.cfg.Logger.LogAttrs(r.Context(), slog.LevelWarn, "idemhttp: the response could not be stored; the key is completed without it",
 			slog.String("source", m.cfg.Source), slog.String("key", key), slog.Any("error", err))
 		rec.flushTo(w)
+		return AnswerRan
 	case rec != nil && errors.As(err, new(errRetry)):
 		// The handler answered; its answer was not stored. Send it as is.
 		rec.flushTo(w)
+		return AnswerRan
 	case rec != nil && errors.As(err, new(*idem.PanicError)):
 		m.cfg.Logger.LogAttrs(r.Context(), slog.LevelError, "idemhttp: handler panicked; the key was released",
 			slog.String("source", m.cfg.Source), slog.String("key", key), slog.Any("error", err))
 		problem(w, http.StatusInternalServerError, "Internal error", "The handler failed; retry the request.", nil)
+		return AnswerPanicked
 	case rec != nil && rec.written() && errors.Is(err, idem.ErrLeaseLost):
 		// The work ran but another worker took the key over: send this
 		// run's answer; the other run's stored answer replays later.
 		rec.flushTo(w)
+		return AnswerRan
 	default:
 		m.cfg.Logger.LogAttrs(r.Context(), slog.LevelError, "idemhttp: idempotency store failed",
 			slog.String("source", m.cfg.Source), slog.String("key", key), slog.Any("error", err))
@@ -359,10 +381,11 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			// The handler ran: its answer is the truth, even if it could
 			// not be stored.
 			rec.flushTo(w)
-			return
+			return AnswerRan
 		}
 		problem(w, http.StatusServiceUnavailable, "Idempotency store unavailable",
 			"The request was not processed; retry later.", map[string]string{"Retry-After": "5"})
+		return AnswerUnavailable
 	}
 }
 

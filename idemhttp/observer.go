@@ -1,0 +1,36 @@
+package idemhttp
+
+// Answer is how the middleware answered a request, as told to an Observer.
+type Answer string
+
+const (
+	// AnswerRan: the handler ran and its answer was sent (stored or not).
+	AnswerRan Answer = "ran"
+	// AnswerReplayed: a duplicate, answered with the stored answer.
+	AnswerReplayed Answer = "replayed"
+	// AnswerInProgress: a duplicate while the first is still running (409).
+	AnswerInProgress Answer = "in_progress"
+	// AnswerMismatch: the key was used with a different request (422).
+	AnswerMismatch Answer = "mismatch"
+	// AnswerFailed: the key's work failed permanently before (422).
+	AnswerFailed Answer = "failed"
+	// AnswerRefused: the signature was missing or wrong; nothing claimed.
+	AnswerRefused Answer = "refused"
+	// AnswerBadRequest: no usable key or body (400, 413); nothing claimed.
+	AnswerBadRequest Answer = "bad_request"
+	// AnswerPassedThrough: no key, and PassThroughMissingKey ran the
+	// handler without idempotency.
+	AnswerPassedThrough Answer = "passed_through"
+	// AnswerPanicked: the handler panicked; the key was released (500).
+	AnswerPanicked Answer = "panicked"
+	// AnswerUnavailable: the idempotency store failed before the handler
+	// ran (503); the sender retries.
+	AnswerUnavailable Answer = "unavailable"
+)
+
+// Observer is told how every request was answered (package idemprom
+// counts them). It is called synchronously after the answer was written:
+// it must be cheap, safe for concurrent use, and must not block.
+type Observer interface {
+	ObserveAnswer(source string, a Answer)
+}

@@ -1,0 +1,62 @@
+package idemprom_test
+
+import (
+	"context"
+	"fmt"
+	"log"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/idemprom"
+	"github.com/idemkit/idem/internal/testdb"
+)
+
+// Per-source claim outcomes as Prometheus counters, on the application's
+// registry: one delivery and two duplicates of it.
+func ExampleNew() {
+	ctx := context.Background()
+	url, drop, err := testdb.Create() // in an application: os.Getenv("DATABASE_URL")
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer drop()
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer pool.Close()
+
+	reg := prometheus.NewRegistry() // or prometheus.DefaultRegisterer
+	metrics, err := idemprom.New(reg)
+	if err != nil {
+		log.Fatal(err)
+	}
+	c := idem.New(pool, &idem.Config{Observer: metrics})
+	for range 3 {
+		if _, err := c.Do(ctx, "stripe", "evt_1", func(ctx context.Context) (any, error) { return "ok", nil }); err != nil {
+			log.Fatal(err)
+		}
+	}
+
+	families, err := reg.Gather()
+	if err != nil {
+		log.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() != "idem_claims_total" {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			labels := map[string]string{}
+			for _, l := range m.GetLabel() {
+				labels[l.GetName()] = l.GetValue()
+			}
+			fmt.Printf("idem_claims_total{source=%q, outcome=%q} %v\n", labels["source"], labels["outcome"], m.GetCounter().GetValue())
+		}
+	}
+	// Output:
+	// idem_claims_total{source="stripe", outcome="acquired"} 1
+	// idem_claims_total{source="stripe", outcome="completed"} 2
+}
