@@ -41,11 +41,10 @@ type options struct {
 	out         string
 	only        string
 	// sizes
-	backlog     int // expired rows prune works through during the latency test
-	retireRows  int // rows in the month retired by rotation vs DELETE+VACUUM
-	scaleSmall  int
-	scaleLarge  int
-	skipPgbench bool
+	backlog    int // expired rows prune works through during the latency test
+	retireRows int // rows in the month retired by rotation vs DELETE+VACUUM
+	scaleSmall int
+	scaleLarge int
 }
 
 func main() {
@@ -55,8 +54,7 @@ func main() {
 	flag.IntVar(&o.rounds, "rounds", 0, "interleaved rounds per comparison (default 3, full 5)")
 	flag.DurationVar(&o.duration, "duration", 0, "length of one side of one round (default 2s, full 5s)")
 	flag.StringVar(&o.out, "out", "bench/results.md", "write the markdown table here too")
-	flag.StringVar(&o.only, "only", "", "run only the sections whose name contains this (claim, dup, lib, maint, retention, scale, pgbench)")
-	flag.BoolVar(&o.skipPgbench, "skip-pgbench", false, "skip the pgbench section")
+	flag.StringVar(&o.only, "only", "", "run only the sections whose name contains this (claim, dup, complete, lib, maint, retention, scale)")
 	flag.Parse()
 	o.defaults()
 
@@ -156,23 +154,21 @@ func run(ctx context.Context, o options) error {
 	fmt.Fprintf(os.Stderr, "bench: %s\n", version)
 
 	t := &table{}
+	claims := &v2table{}
 	sections := []struct {
 		name string
 		fn   func(context.Context, *env, options, *table) error
 	}{
-		{"claim", benchClaimNew},
+		{"claim", func(ctx context.Context, e *env, o options, _ *table) error { return benchClaim(ctx, e, o, claims) }},
 		{"dup", benchDuplicates},
+		{"complete", benchComplete},
 		{"lib", benchLibrary},
 		{"maint", benchMaintenance},
 		{"retention", benchRetention},
 		{"scale", benchScale},
-		{"pgbench", benchPgbench},
 	}
 	for _, s := range sections {
 		if o.only != "" && !strings.Contains(s.name, o.only) {
-			continue
-		}
-		if s.name == "pgbench" && o.skipPgbench {
 			continue
 		}
 		fmt.Fprintf(os.Stderr, "bench: %s...\n", s.name)
@@ -191,6 +187,8 @@ func run(ctx context.Context, o options) error {
 	fmt.Fprintf(&w, "- server: %s\n", version)
 	fmt.Fprintf(&w, "- settings: %s\n", settings)
 	fmt.Fprintf(&w, "- sizes: %s; %d interleaved rounds of %s per side\n\n", sizes(o), o.rounds, o.duration)
+	claims.write(&w)
+	fmt.Fprintf(&w, "## The rest (settings above)\n\n")
 	t.write(&w)
 	fmt.Print(w.String())
 	if o.out != "" {

@@ -38,6 +38,7 @@ type Cluster struct {
 	cred    *syscall.Credential
 	exited  chan struct{}
 	waitErr error
+	durable bool
 }
 
 // URL is a keyword/value connection string for database name on the cluster,
@@ -83,14 +84,25 @@ func isExec(p string) bool {
 	return err == nil && !st.IsDir() && st.Mode()&0o111 != 0
 }
 
+// Option adjusts a cluster Start creates.
+type Option func(*Cluster)
+
+// Durable makes the cluster durable, as a production server is: fsync,
+// synchronous_commit and full_page_writes on (the default is off, for
+// tests). Benchmarks report their durable numbers from such a cluster.
+func Durable() Option { return func(c *Cluster) { c.durable = true } }
+
 // Start initializes and starts a cluster in a new temporary directory.
 // The server is a child of this process and dies with it.
-func Start(ctx context.Context) (*Cluster, error) {
+func Start(ctx context.Context, opts ...Option) (*Cluster, error) {
 	bin, err := FindBinDir()
 	if err != nil {
 		return nil, err
 	}
 	c := &Cluster{BinDir: bin}
+	for _, o := range opts {
+		o(c)
+	}
 	if os.Geteuid() == 0 {
 		u, err := user.Lookup("postgres")
 		if err != nil {
@@ -161,15 +173,20 @@ func (c *Cluster) startServer(ctx context.Context) error {
 	}
 	defer logf.Close()
 	c.exited = make(chan struct{})
+	// A throwaway cluster: durability off unless Durable, room for racing
+	// tests.
+	durability := "off"
+	if c.durable {
+		durability = "on"
+	}
 	c.cmd = exec.Command(filepath.Join(c.BinDir, "postgres"),
 		"-D", filepath.Join(c.Dir, "data"),
 		"-p", strconv.Itoa(c.Port),
 		"-c", "listen_addresses=127.0.0.1",
 		"-c", "unix_socket_directories="+c.Dir,
-		// A throwaway cluster: durability off, room for racing tests.
-		"-c", "fsync=off",
-		"-c", "synchronous_commit=off",
-		"-c", "full_page_writes=off",
+		"-c", "fsync="+durability,
+		"-c", "synchronous_commit="+durability,
+		"-c", "full_page_writes="+durability,
 		"-c", "max_connections=400",
 		"-c", "max_locks_per_transaction=256",
 		"-c", "shared_buffers=256MB",

@@ -1,0 +1,321 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"io"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+
+	"github.com/idemkit/idem/internal/partition"
+	"github.com/idemkit/idem/internal/pgcluster"
+	"github.com/idemkit/idem/migrate"
+)
+
+// The claim section: the table of docs/performance.md ("Claim"), each row a
+// median ratio of interleaved pgbench rounds against a baseline in the same
+// run, on a durable server (fsync, synchronous_commit, full_page_writes on)
+// and, as a second column, on a server with fsync off. The databases are in
+// the steady state of a 90-day retention with 3 months premade: 9 monthly
+// partitions (plus the default one).
+
+// server is one column of the claim table.
+type server struct {
+	name   string
+	url    string // its postgres database
+	binDir string
+}
+
+// cell is one measured ratio.
+type cell struct {
+	a, b   float64 // medians (tps, or ms for latency rows)
+	ratio  float64
+	spread string
+	unit   string
+}
+
+type v2row struct {
+	metric, target string
+	cells          map[string]cell
+}
+
+type v2table struct {
+	servers []string
+	rows    []*v2row
+}
+
+func (t *v2table) row(metric, target string) *v2row {
+	for _, r := range t.rows {
+		if r.metric == metric {
+			return r
+		}
+	}
+	r := &v2row{metric: metric, target: target, cells: map[string]cell{}}
+	t.rows = append(t.rows, r)
+	return r
+}
+
+func (t *v2table) write(w io.Writer) {
+	if len(t.rows) == 0 {
+		return
+	}
+	fmt.Fprintf(w, "## Claim (pgbench; median ratio of interleaved rounds, spread min..max)\n\n")
+	fmt.Fprintf(w, "| path | %s | target |\n|---|%s---|\n", strings.Join(t.servers, " | "), strings.Repeat("---|", len(t.servers)))
+	for _, r := range t.rows {
+		var cols []string
+		for _, s := range t.servers {
+			c, ok := r.cells[s]
+			if !ok {
+				cols = append(cols, "-")
+				continue
+			}
+			cols = append(cols, fmt.Sprintf("**%.2fx** (%s; %.0f vs %.0f %s)", c.ratio, c.spread, c.a, c.b, c.unit))
+		}
+		fmt.Fprintf(w, "| %s | %s | %s |\n", r.metric, strings.Join(cols, " | "), r.target)
+	}
+	fmt.Fprintln(w)
+}
+
+// benchClaim fills the claim table on each server.
+func benchClaim(ctx context.Context, e *env, o options, t *v2table) error {
+	var servers []server
+	if e.cluster != nil {
+		c, err := pgcluster.Start(ctx, pgcluster.Durable())
+		if err != nil {
+			return fmt.Errorf("start a durable cluster: %w", err)
+		}
+		defer c.Stop()
+		servers = append(servers, server{"durable (fsync on)", c.URL("postgres"), c.BinDir}, server{"fsync off", e.url, e.binDir})
+	} else {
+		servers = append(servers, server{"the given server", e.url, e.binDir})
+	}
+	for _, s := range servers {
+		t.servers = append(t.servers, s.name)
+	}
+	for _, s := range servers {
+		fmt.Fprintf(os.Stderr, "bench: claim on %s...\n", s.name)
+		if err := benchClaimOn(ctx, s, o, t); err != nil {
+			return fmt.Errorf("%s: %w", s.name, err)
+		}
+	}
+	return nil
+}
+
+func benchClaimOn(ctx context.Context, s server, o options, t *v2table) error {
+	// Databases: v2 with 9, 15 and 3 monthly partitions, v1 (migration 4)
+	// with 9, and one for rotation (it retires months, so it gets its own).
+	dbs := map[string]string{}
+	for _, d := range []struct {
+		name    string
+		version int64 // 0: all migrations
+		past    int   // monthly partitions before the current month
+		drop    int   // premade months to drop (3 partitions: current and two ahead)
+	}{
+		{"idem_bench_v2_9", 0, 5, 0},
+		{"idem_bench_v2_15", 0, 11, 0},
+		{"idem_bench_v2_3", 0, 0, 1},
+		{"idem_bench_v1_9", 4, 5, 0},
+		{"idem_bench_v2_rot", 0, 5, 0},
+	} {
+		u, err := claimDatabase(ctx, s.url, d.name, d.version, d.past, d.drop)
+		if err != nil {
+			return fmt.Errorf("%s: %w", d.name, err)
+		}
+		dbs[d.name] = u
+	}
+	bin := "pgbench" // from PATH when the server's binaries are unknown
+	if s.binDir != "" {
+		bin = filepath.Join(s.binDir, "pgbench")
+	}
+	secs := max(1, int(o.duration.Seconds()))
+	script := func(name string) string { return "bench/pgbench/" + name }
+	cmp := func(metric, target, sa, da, sb, db string, clients int) error {
+		var as, bs, rs []float64
+		for r := range o.rounds {
+			var x, y float64
+			var err error
+			run := func(first bool) error {
+				if first {
+					x, err = pgbenchTPS(ctx, bin, dbs[da], script(sa), clients, secs)
+				} else {
+					y, err = pgbenchTPS(ctx, bin, dbs[db], script(sb), clients, secs)
+				}
+				return err
+			}
+			if err := run(r%2 == 0); err != nil {
+				return err
+			}
+			if err := run(r%2 == 1); err != nil {
+				return err
+			}
+			as, bs, rs = append(as, x), append(bs, y), append(rs, x/y)
+		}
+		t.row(metric, target).cells[s.name] = cell{a: median(as), b: median(bs), ratio: median(rs), spread: spread(rs), unit: "tps"}
+		return nil
+	}
+	for _, c := range []struct {
+		metric, target, sa, da, sb, db string
+		clients                        int
+	}{
+		{"new keys vs raw INSERT .. ON CONFLICT DO NOTHING (plain table), 8 clients", ">= 0.60x (aim 0.9x)",
+			"claim_new.sql", "idem_bench_v2_9", "raw_insert.sql", "idem_bench_v2_9", 8},
+		{"same, 32 clients", ">= 0.45x (aim 0.9x)",
+			"claim_new.sql", "idem_bench_v2_9", "raw_insert.sql", "idem_bench_v2_9", 32},
+		{"duplicates of completed keys vs the raw conflict path, 8 clients", ">= 0.50x (aim 0.9x)",
+			"claim_dup.sql", "idem_bench_v2_9", "raw_dup.sql", "idem_bench_v2_9", 8},
+		{"new keys with 15 monthly partitions vs 3, 8 clients", ">= 0.90x",
+			"claim_new.sql", "idem_bench_v2_15", "claim_new.sql", "idem_bench_v2_3", 8},
+		// The ladder: each rung against raw into a plain table.
+		{"ladder: raw INSERT into the partitioned parent vs plain table, 8 clients", "information",
+			"raw_parent.sql", "idem_bench_v2_9", "raw_insert.sql", "idem_bench_v2_9", 8},
+		{"ladder: plpgsql function that only inserts (parent) vs plain table, 8 clients", "information",
+			"plpgsql_insert.sql", "idem_bench_v2_9", "raw_insert.sql", "idem_bench_v2_9", 8},
+		{"ladder: claim v1 (migration 4) vs plain table, 8 clients", "information",
+			"claim_new.sql", "idem_bench_v1_9", "raw_insert.sql", "idem_bench_v1_9", 8},
+		{"ladder: claim v2 vs claim v1, new keys, 8 clients", "information",
+			"claim_new.sql", "idem_bench_v2_9", "claim_new.sql", "idem_bench_v1_9", 8},
+		{"ladder: claim v2 vs claim v1, duplicates, 8 clients", "information",
+			"claim_dup.sql", "idem_bench_v2_9", "claim_dup.sql", "idem_bench_v1_9", 8},
+	} {
+		if err := cmp(c.metric, c.target, c.sa, c.da, c.sb, c.db, c.clients); err != nil {
+			return err
+		}
+	}
+	return rotationP99(ctx, s, dbs["idem_bench_v2_rot"], o, t)
+}
+
+// rotationP99: claim p99 while rotation retires four months full of expired
+// rows, against the p99 idle right before, 8 clients.
+func rotationP99(ctx context.Context, s server, dbURL string, o options, t *v2table) error {
+	pool, err := pgxpool.New(ctx, dbURL)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	claims := claimSQL(pool, "bench-rot")
+	var ratios, idleP99, rotP99 []float64
+	for r := range o.rounds {
+		for m := -12; m <= -9; m++ {
+			if _, err := pool.Exec(ctx, `SELECT idem.create_partition($1)`, monthStart(m)); err != nil {
+				return err
+			}
+			if err := seedExpired(ctx, pool, fmt.Sprintf("rot%d-%d", r, m), monthStart(m), o.backlog/8); err != nil {
+				return err
+			}
+		}
+		idle, err := measure(ctx, 8, o.duration, claims)
+		if err != nil {
+			return err
+		}
+		var from, to time.Time
+		var rerr error
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			time.Sleep(o.duration / 4)
+			from = time.Now()
+			_, rerr = partition.Rotate(ctx, pool, partition.Config{})
+			to = time.Now()
+			time.Sleep(o.duration / 4)
+		}()
+		during, err := measureUntil(ctx, 8, done, claims)
+		if err != nil {
+			return err
+		}
+		if rerr != nil {
+			return rerr
+		}
+		d := during.within(from, to)
+		idleP99, rotP99 = append(idleP99, ms(idle.pct(0.99))), append(rotP99, ms(d.pct(0.99)))
+		ratios = append(ratios, ms(d.pct(0.99))/ms(idle.pct(0.99)))
+	}
+	t.row("claim p99 during rotation (4 months retired) vs idle, 8 clients", "<= 2x").cells[s.name] =
+		cell{a: median(rotP99), b: median(idleP99), ratio: median(ratios), spread: spread(ratios), unit: "ms p99"}
+	return nil
+}
+
+// claimDatabase creates name on the server of adminURL, migrated to version
+// (0: all) with past monthly partitions before the current month and the
+// last drop premade months dropped, plus the raw baseline and ladder
+// objects, and returns its URL.
+func claimDatabase(ctx context.Context, adminURL, name string, version int64, past, drop int) (string, error) {
+	admin, err := pgx.Connect(ctx, adminURL)
+	if err != nil {
+		return "", err
+	}
+	defer admin.Close(ctx)
+	id := pgx.Identifier{name}.Sanitize()
+	if _, err := admin.Exec(ctx, `DROP DATABASE IF EXISTS `+id+` WITH (FORCE)`); err != nil {
+		return "", err
+	}
+	if _, err := admin.Exec(ctx, `CREATE DATABASE `+id); err != nil {
+		return "", fmt.Errorf("create database %s (the role needs CREATEDB): %w", name, err)
+	}
+	u, err := databaseURL(adminURL, name)
+	if err != nil {
+		return "", err
+	}
+	cfg, err := pgx.ParseConfig(u)
+	if err != nil {
+		return "", err
+	}
+	db := stdlib.OpenDB(*cfg)
+	defer db.Close()
+	if version == 0 {
+		_, err = migrate.Up(ctx, db)
+	} else {
+		err = upTo(ctx, db, version)
+	}
+	if err != nil {
+		return "", fmt.Errorf("migrate: %w", err)
+	}
+	for m := 1; m <= past; m++ {
+		if _, err := db.ExecContext(ctx, `SELECT idem.create_partition($1)`, monthStart(-m)); err != nil {
+			return "", err
+		}
+	}
+	for m := 3; m > 3-drop; m-- {
+		if _, err := db.ExecContext(ctx, `DROP TABLE `+pgx.Identifier{"idem", "processed_events_p" + monthStart(m).Format("2006_01")}.Sanitize()); err != nil {
+			return "", err
+		}
+	}
+	for _, f := range []string{"bench/pgbench/setup.sql", "bench/pgbench/ladder.sql"} {
+		if err := execFile(ctx, db, f); err != nil {
+			return "", err
+		}
+	}
+	if _, err := db.ExecContext(ctx, `VACUUM ANALYZE`); err != nil {
+		return "", err
+	}
+	return u, nil
+}
+
+func upTo(ctx context.Context, db *sql.DB, version int64) error {
+	p, err := migrate.NewProvider(db)
+	if err != nil {
+		return err
+	}
+	_, err = p.UpTo(ctx, version)
+	return err
+}
+
+// databaseURL is adminURL (a URL or keyword/value string) for database name.
+func databaseURL(adminURL, name string) (string, error) {
+	if strings.Contains(adminURL, "://") {
+		u, err := url.Parse(adminURL)
+		if err != nil {
+			return "", err
+		}
+		u.Path = "/" + name
+		return u.String(), nil
+	}
+	return adminURL + " dbname=" + name, nil // the last dbname wins
+}
