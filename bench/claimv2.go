@@ -9,7 +9,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -203,37 +202,20 @@ func rotationP99(ctx context.Context, s server, dbURL string, o options, t *v2ta
 	claims := claimSQL(pool, "bench-rot")
 	var ratios, idleP99, rotP99 []float64
 	for r := range o.rounds {
-		for m := -12; m <= -9; m++ {
-			if _, err := pool.Exec(ctx, `SELECT idem.create_partition($1)`, monthStart(m)); err != nil {
-				return err
-			}
-			if err := seedExpired(ctx, pool, fmt.Sprintf("rot%d-%d", r, m), monthStart(m), o.backlog/8); err != nil {
-				return err
-			}
+		if err := seedRetirable(ctx, pool, fmt.Sprintf("rot%d", r), -12, o.backlog/8); err != nil {
+			return err
 		}
 		idle, err := measure(ctx, 8, o.duration, claims)
 		if err != nil {
 			return err
 		}
-		var from, to time.Time
-		var rerr error
-		done := make(chan struct{})
-		go func() {
-			defer close(done)
-			time.Sleep(o.duration / 4)
-			from = time.Now()
-			_, rerr = partition.Rotate(ctx, pool, partition.Config{})
-			to = time.Now()
-			time.Sleep(o.duration / 4)
-		}()
-		during, err := measureUntil(ctx, 8, done, claims)
+		d, err := during(ctx, o.duration, claims, func() error {
+			_, err := partition.Rotate(ctx, pool, partition.Config{})
+			return err
+		})
 		if err != nil {
 			return err
 		}
-		if rerr != nil {
-			return rerr
-		}
-		d := during.within(from, to)
 		idleP99, rotP99 = append(idleP99, ms(idle.pct(0.99))), append(rotP99, ms(d.pct(0.99)))
 		ratios = append(ratios, ms(d.pct(0.99))/ms(idle.pct(0.99)))
 	}

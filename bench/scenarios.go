@@ -16,7 +16,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem"
-	"github.com/idemkit/idem/internal/partition"
 	"github.com/idemkit/idem/internal/prune"
 )
 
@@ -155,11 +154,11 @@ func monthStart(add int) time.Time {
 	return time.Date(n.Year(), n.Month()+time.Month(add), 1, 0, 0, 0, 0, time.UTC)
 }
 
-// benchMaintenance: claim p99 while prune works through a backlog and while
-// rotation retires months, against the idle p99 measured right before.
+// benchMaintenance: claim p99 while prune works through a backlog, against
+// the idle p99 measured right before (rotation: the claim section).
 func benchMaintenance(ctx context.Context, e *env, o options, t *table) error {
 	claims := claimSQL(e.pool, "bench-maint")
-	var idle, duringPrune, duringRotate []sample
+	var idle, duringPrune []sample
 	var pruneRates []float64
 	for r := 0; r < o.rounds; r++ {
 		if err := seedExpired(ctx, e.pool, fmt.Sprintf("backlog%d", r), monthStart(0), o.backlog); err != nil {
@@ -174,60 +173,57 @@ func benchMaintenance(ctx context.Context, e *env, o options, t *table) error {
 		}
 		idle = append(idle, s)
 
-		var from, to time.Time
 		var pr *prune.Result
-		var perr error
-		done := make(chan struct{})
-		go func() {
-			defer close(done)
-			time.Sleep(o.duration / 4)
-			from = time.Now()
-			pr, perr = prune.Run(ctx, e.pool, prune.Config{BatchSize: 5000, Sleep: 10 * time.Millisecond})
-			to = time.Now()
-		}()
-		s, err = measureUntil(ctx, 8, done, claims)
+		s, err = during(ctx, o.duration, claims, func() (err error) {
+			pr, err = prune.Run(ctx, e.pool, prune.Config{BatchSize: 5000, Sleep: 10 * time.Millisecond})
+			return err
+		})
 		if err != nil {
 			return err
 		}
-		if perr != nil {
-			return perr
-		}
-		duringPrune = append(duringPrune, s.within(from, to))
+		duringPrune = append(duringPrune, s)
 		pruneRates = append(pruneRates, pr.Rate())
 
-		// Rotation: four past months full of expired rows to retire.
-		for m := -6; m <= -3; m++ {
-			if _, err := e.pool.Exec(ctx, `SELECT idem.create_partition($1)`, monthStart(m)); err != nil {
-				return err
-			}
-			if err := seedExpired(ctx, e.pool, fmt.Sprintf("old%d-%d", r, m), monthStart(m), o.backlog/8); err != nil {
-				return err
-			}
-		}
-		done = make(chan struct{})
-		var rerr error
-		go func() {
-			defer close(done)
-			time.Sleep(o.duration / 4)
-			from = time.Now()
-			_, rerr = partition.Rotate(ctx, e.pool, partition.Config{})
-			to = time.Now()
-			time.Sleep(o.duration / 4)
-		}()
-		s, err = measureUntil(ctx, 8, done, claims)
-		if err != nil {
-			return err
-		}
-		if rerr != nil {
-			return rerr
-		}
-		duringRotate = append(duringRotate, s.within(from, to))
 	}
 	t.latencyRow("under maintenance", "claim during prune of the backlog vs idle, 8 clients", comparison{a: duringPrune, b: idle}, "p99 <= 2x idle")
-	t.latencyRow("under maintenance", "claim during rotation (4 months retired) vs idle, 8 clients", comparison{a: duringRotate, b: idle}, "p99 <= 2x idle")
 	t.add(row{section: "under maintenance", metric: "prune rate while claims run", idem: fmt.Sprintf("%.0f rows/s", median(pruneRates)),
 		baseline: "-", ratio: 0, spread: spread(pruneRates), note: "information"})
 	return nil
+}
+
+// seedRetirable creates the four monthly partitions from first months ago
+// to first+3 and fills each with rows expired rows, for rotation to retire.
+func seedRetirable(ctx context.Context, pool *pgxpool.Pool, prefix string, first, rows int) error {
+	for m := first; m <= first+3; m++ {
+		if _, err := pool.Exec(ctx, `SELECT idem.create_partition($1)`, monthStart(m)); err != nil {
+			return err
+		}
+		if err := seedExpired(ctx, pool, fmt.Sprintf("%s-%d", prefix, m), monthStart(m), rows); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// during runs fn from 8 clients while job runs (started a quarter of d in,
+// followed by a quarter of d) and returns the calls that overlapped job.
+func during(ctx context.Context, d time.Duration, fn op, job func() error) (sample, error) {
+	var from, to time.Time
+	var jerr error
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		time.Sleep(d / 4)
+		from = time.Now()
+		jerr = job()
+		to = time.Now()
+		time.Sleep(d / 4)
+	}()
+	s, err := measureUntil(ctx, 8, done, fn)
+	if err == nil {
+		err = jerr
+	}
+	return s.within(from, to), err
 }
 
 // measureUntil runs fn until done is closed.
