@@ -1,13 +1,9 @@
 package main
 
 import (
-	"bufio"
-	"bytes"
 	"context"
 	"fmt"
 	"math/rand/v2"
-	"os/exec"
-	"regexp"
 	"strconv"
 	"sync/atomic"
 	"time"
@@ -37,13 +33,6 @@ func claimSQL(pool *pgxpool.Pool, source string) op {
 		var outcome string
 		var token int64
 		return pool.QueryRow(ctx, `SELECT outcome, token FROM idem.claim($1, $2)`, source, newKey()).Scan(&outcome, &token)
-	}
-}
-
-func rawInsertOp(pool *pgxpool.Pool, source string) op {
-	return func(ctx context.Context, _ int, _ int64) error {
-		var token int64
-		return pool.QueryRow(ctx, rawInsert, source, newKey()).Scan(&token)
 	}
 }
 
@@ -371,22 +360,4 @@ func benchScale(ctx context.Context, e *env, o options, t *table) error {
 	}
 	t.latencyRow("scale", fmt.Sprintf("duplicate claim with %d rows vs %d rows, 8 clients", o.scaleLarge, o.scaleSmall), c, "<= 1.3x")
 	return nil
-}
-
-// pgbenchTPS runs one pgbench script against dbURL and returns its tps.
-func pgbenchTPS(ctx context.Context, bin, dbURL, script string, clients, secs int) (float64, error) {
-	cmd := exec.CommandContext(ctx, bin, "-n", "-f", script, "-c", strconv.Itoa(clients), "-j", "2", "-T", strconv.Itoa(secs), dbURL)
-	var out bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &out
-	if err := cmd.Run(); err != nil {
-		return 0, fmt.Errorf("pgbench %s: %v\n%s", script, err, out.String())
-	}
-	sc := bufio.NewScanner(&out)
-	re := regexp.MustCompile(`^tps = ([0-9.]+)`)
-	for sc.Scan() {
-		if m := re.FindStringSubmatch(sc.Text()); m != nil {
-			return strconv.ParseFloat(m[1], 64)
-		}
-	}
-	return 0, fmt.Errorf("pgbench %s: no tps in output:\n%s", script, out.String())
 }

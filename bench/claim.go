@@ -1,13 +1,18 @@
 package main
 
 import (
+	"bufio"
+	"bytes"
 	"context"
 	"database/sql"
 	"fmt"
 	"io"
 	"net/url"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"regexp"
+	"strconv"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
@@ -300,4 +305,22 @@ func databaseURL(adminURL, name string) (string, error) {
 		return u.String(), nil
 	}
 	return adminURL + " dbname=" + name, nil // the last dbname wins
+}
+
+// pgbenchTPS runs one pgbench script against dbURL and returns its tps.
+func pgbenchTPS(ctx context.Context, bin, dbURL, script string, clients, secs int) (float64, error) {
+	cmd := exec.CommandContext(ctx, bin, "-n", "-f", script, "-c", strconv.Itoa(clients), "-j", "2", "-T", strconv.Itoa(secs), dbURL)
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Run(); err != nil {
+		return 0, fmt.Errorf("pgbench %s: %v\n%s", script, err, out.String())
+	}
+	sc := bufio.NewScanner(&out)
+	re := regexp.MustCompile(`^tps = ([0-9.]+)`)
+	for sc.Scan() {
+		if m := re.FindStringSubmatch(sc.Text()); m != nil {
+			return strconv.ParseFloat(m[1], 64)
+		}
+	}
+	return 0, fmt.Errorf("pgbench %s: no tps in output:\n%s", script, out.String())
 }
