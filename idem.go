@@ -233,15 +233,16 @@ func WithEventType(t string) ClaimOption { return func(a *claimArgs) { a.eventTy
 
 // Claim asks to own the work for (source, key).
 func (c *Client) Claim(ctx context.Context, source, key string, opts ...ClaimOption) (*Claim, error) {
+	if c.cfg.Observer == nil {
+		return c.claim(ctx, source, key, opts)
+	}
 	start := time.Now()
 	cl, err := c.claim(ctx, source, key, opts)
-	if c.cfg.Observer != nil {
-		o := ClaimObservation{Source: source, Err: err, Duration: time.Since(start)}
-		if cl != nil {
-			o.Outcome = cl.Outcome
-		}
-		c.cfg.Observer.ObserveClaim(o)
+	o := ClaimObservation{Source: source, Err: err, Duration: time.Since(start)}
+	if cl != nil {
+		o.Outcome = cl.Outcome
 	}
+	c.cfg.Observer.ObserveClaim(o)
 	return cl, err
 }
 

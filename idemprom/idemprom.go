@@ -24,6 +24,8 @@
 package idemprom
 
 import (
+	"errors"
+
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/idemkit/idem"
@@ -49,6 +51,9 @@ const OutcomeError = "error"
 // already holds metrics of these names (one Metrics per registry; share
 // it between clients and middlewares).
 func New(reg prometheus.Registerer) (*Metrics, error) {
+	if reg == nil {
+		return nil, errors.New("idemprom: New needs a prometheus.Registerer (prometheus.NewRegistry() or prometheus.DefaultRegisterer)")
+	}
 	m := &Metrics{
 		claims: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "idem_claims_total",
@@ -64,9 +69,6 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 			Help: "Requests idemhttp answered, by source and answer (ran, replayed, in_progress, mismatch, failed, refused, bad_request, unavailable).",
 		}, []string{"source", "answer"}),
 	}
-	if reg == nil {
-		return nil, errNilRegisterer
-	}
 	for _, c := range []prometheus.Collector{m.claims, m.duration, m.answers} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
@@ -74,12 +76,6 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 	}
 	return m, nil
 }
-
-type constError string
-
-func (e constError) Error() string { return string(e) }
-
-const errNilRegisterer = constError("idemprom: New needs a prometheus.Registerer (prometheus.NewRegistry() or prometheus.DefaultRegisterer)")
 
 // ObserveClaim counts one claim.
 func (m *Metrics) ObserveClaim(o idem.ClaimObservation) {
