@@ -1,10 +1,11 @@
 package idem
 
 import (
+	"github.com/idemkit/idem/internal/sqlstate"
+
 	"context"
 	"database/sql"
 	"encoding/json"
-	"errors"
 	"log/slog"
 	"sync/atomic"
 	"time"
@@ -117,14 +118,14 @@ func (m *execMode) args(args []any) []any {
 // adaptive client, and switches it to exec mode. Such a statement failed
 // before it ran, so it can be sent again.
 func (m *execMode) adapt(err error) bool {
-	var pg *pgconn.PgError
-	if m.fixed != 0 || !errors.As(err, &pg) || (pg.Code != "26000" && pg.Code != "42P05") {
+	code := sqlstate.Of(err)
+	if m.fixed != 0 || (code != sqlstate.InvalidSQLStatement && code != sqlstate.DuplicatePreparedStmt) {
 		return false
 	}
 	if m.switched.CompareAndSwap(false, true) {
 		m.log.LogAttrs(context.Background(), slog.LevelWarn,
 			"idem: the server refused a prepared statement (a transaction pooler such as PgBouncer?); this client now uses pgx's exec mode",
-			slog.String("sqlstate", pg.Code))
+			slog.String("sqlstate", code))
 	}
 	return true
 }

@@ -1,12 +1,13 @@
 package idem
 
 import (
+	"github.com/idemkit/idem/internal/sqlstate"
+
 	"context"
 	"errors"
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // Sentinel errors. Every error the package returns for one of these causes
@@ -79,13 +80,7 @@ func (e *Error) Unwrap() []error {
 }
 
 // SQLState returns the PostgreSQL error code, or "" when there is none.
-func (e *Error) SQLState() string {
-	var pg *pgconn.PgError
-	if errors.As(e.Err, &pg) {
-		return pg.Code
-	}
-	return ""
-}
+func (e *Error) SQLState() string { return sqlstate.Of(e.Err) }
 
 // FailedError is returned by Do for a key whose work failed permanently.
 type FailedError struct {
@@ -127,28 +122,29 @@ func IsPermanent(err error) bool {
 	return errors.As(err, &p)
 }
 
-// convert turns a driver error into an *Error with its sentinel. It is the
-// one place where PostgreSQL error codes are interpreted.
+// convert turns a driver error into an *Error with its sentinel: the one
+// place where this package maps SQLSTATEs (named in internal/sqlstate,
+// where the maintenance packages and idemctl read theirs) to sentinels.
 func convert(op, source, key string, err error) error {
 	if err == nil {
 		return nil
 	}
 	e := &Error{Op: op, Source: source, Key: key, Err: err}
-	var pg *pgconn.PgError
-	switch {
-	case errors.As(err, &pg):
-		switch pg.Code {
-		case "22004", "22023", "22001", "22021", "22P02", "22P05":
+	switch code := sqlstate.Of(err); {
+	case code != "":
+		switch code {
+		case sqlstate.NullValueNotAllowed, sqlstate.InvalidParameterValue, sqlstate.StringDataRightTrunc,
+			sqlstate.CharacterNotInRepert, sqlstate.InvalidTextRepr, sqlstate.UntranslatableChar:
 			e.Kind = ErrInvalidInput
-		case "54000":
+		case sqlstate.ProgramLimitExceeded:
 			e.Kind = ErrResultTooLarge
-		case "42704":
+		case sqlstate.UndefinedObject:
 			e.Kind = ErrUnknownPolicy
-		case "0A000":
+		case sqlstate.FeatureNotSupported:
 			e.Kind = ErrIsolationNotSupported
-		case "40001", "40P01":
+		case sqlstate.SerializationFailure, sqlstate.DeadlockDetected:
 			e.Kind = ErrSerialization
-		case "3F000", "42883", "42P01":
+		case sqlstate.InvalidSchemaName, sqlstate.UndefinedFunction, sqlstate.UndefinedTable:
 			e.Kind = ErrNotMigrated
 		}
 	case errors.Is(err, pgx.ErrNoRows):
@@ -189,16 +185,12 @@ func transient(err error) bool {
 			return false
 		}
 	}
-	var pg *pgconn.PgError
-	if errors.As(err, &pg) {
-		switch pg.Code {
-		case "26000", "42P05", "55P03":
+	if code := sqlstate.Of(err); code != "" {
+		switch code {
+		case sqlstate.InvalidSQLStatement, sqlstate.DuplicatePreparedStmt, sqlstate.LockNotAvailable:
 			return true
 		}
-		if len(pg.Code) != 5 {
-			return false
-		}
-		switch pg.Code[:2] {
+		switch sqlstate.Class(err) {
 		case "08", "40", "53", "57", "58":
 			return true
 		}

@@ -1,6 +1,8 @@
 package cli
 
 import (
+	"github.com/idemkit/idem/internal/sqlstate"
+
 	"context"
 	"database/sql"
 	"errors"
@@ -94,11 +96,11 @@ func connectErr(cc *pgx.ConnConfig, err error) error {
 	var pg *pgconn.PgError
 	if errors.As(err, &pg) {
 		switch pg.Code {
-		case "28P01", "28000":
+		case sqlstate.InvalidPassword, sqlstate.InvalidAuthorization:
 			return withCode(ExitUnreachable, fmt.Errorf("the database at %s refused login for user %q: %s (check the user and password in the database URL)", where, cc.User, pg.Message))
-		case "3D000":
+		case sqlstate.InvalidCatalogName:
 			return withCode(ExitUnreachable, fmt.Errorf("database %q does not exist at %s", cc.Database, where))
-		case "42501":
+		case sqlstate.InsufficientPrivilege:
 			return withCode(ExitUnreachable, fmt.Errorf("user %q may not connect to database %q at %s: %s", cc.User, cc.Database, where, pg.Message))
 		}
 	}

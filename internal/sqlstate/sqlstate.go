@@ -1,0 +1,74 @@
+// Package sqlstate names the SQLSTATEs idem's Go code acts on. Every
+// package that turns a server error into one of its own (the idem package's
+// sentinels, prune's ErrLockLost, rotation's retries, idemctl's exit codes,
+// the pooler detection) reads the code with Of and compares it with a
+// constant from here, so each code has one name and one meaning.
+//
+// idem's own conditions use class ID, which PostgreSQL never raises; the
+// others are PostgreSQL's, raised by the server or by idem's functions with
+// their standard meaning.
+package sqlstate
+
+import (
+	"errors"
+
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// idem's own conditions (class ID).
+const (
+	// LockNotHeld: the caller does not hold the maintenance lock it named
+	// (idem.prune_batch). Before migration 6 idem raised 55P03 for this.
+	LockNotHeld = "ID001"
+	// NotAPartition: the table named is not a (detached) month of
+	// idem.processed_events (idem.retire_partition, idem.drop_detached).
+	NotAPartition = "ID002"
+)
+
+// PostgreSQL's conditions that idem's functions also raise, with the
+// standard meaning.
+const (
+	NullValueNotAllowed   = "22004" // a required argument is NULL
+	InvalidParameterValue = "22023" // an argument out of range
+	StringDataRightTrunc  = "22001" // an argument too long
+	CharacterNotInRepert  = "22021" // invalid UTF-8
+	InvalidTextRepr       = "22P02"
+	UntranslatableChar    = "22P05"
+	ProgramLimitExceeded  = "54000" // a result too large to store
+	UndefinedObject       = "42704" // no policy for the source
+	FeatureNotSupported   = "0A000" // REPEATABLE READ
+	SerializationFailure  = "40001"
+	DeadlockDetected      = "40P01"
+)
+
+// PostgreSQL's conditions raised by the server, not by idem.
+const (
+	LockNotAvailable      = "55P03" // lock_timeout, NOWAIT
+	InvalidSchemaName     = "3F000"
+	UndefinedFunction     = "42883"
+	UndefinedTable        = "42P01"
+	InvalidSQLStatement   = "26000" // prepared statement does not exist (a transaction pooler)
+	DuplicatePreparedStmt = "42P05" // prepared statement already exists (a transaction pooler)
+	InvalidPassword       = "28P01"
+	InvalidAuthorization  = "28000"
+	InvalidCatalogName    = "3D000" // database does not exist
+	InsufficientPrivilege = "42501"
+)
+
+// Of returns err's SQLSTATE, or "" when err is not an error from the
+// server.
+func Of(err error) string {
+	var pg *pgconn.PgError
+	if errors.As(err, &pg) {
+		return pg.Code
+	}
+	return ""
+}
+
+// Class returns the two-letter class of err's SQLSTATE, or "".
+func Class(err error) string {
+	if c := Of(err); len(c) == 5 {
+		return c[:2]
+	}
+	return ""
+}
