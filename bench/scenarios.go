@@ -164,7 +164,7 @@ func benchMaintenance(ctx context.Context, e *env, o options, t *table) error {
 
 		var pr *prune.Result
 		s, err = during(ctx, o.duration, claims, func() (err error) {
-			pr, err = prune.Run(ctx, e.pool, prune.Config{BatchSize: 5000, Sleep: 10 * time.Millisecond})
+			pr, err = prune.Run(ctx, e.pool, prune.Config{BatchSize: new(5000), Sleep: new(10 * time.Millisecond)})
 			return err
 		})
 		if err != nil {
@@ -266,7 +266,7 @@ func benchRetention(ctx context.Context, e *env, o options, t *table) error {
 		if err := seedExpired(ctx, e.pool, fmt.Sprintf("pr%d", r), monthStart(0), o.retireRows); err != nil {
 			return err
 		}
-		pr, err := prune.Run(ctx, e.pool, prune.Config{BatchSize: 5000, Sleep: time.Millisecond})
+		pr, err := prune.Run(ctx, e.pool, prune.Config{BatchSize: new(5000), Sleep: new(time.Millisecond)})
 		if err != nil {
 			return err
 		}

@@ -4,10 +4,12 @@ import (
 	"context"
 	"database/sql"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pressly/goose/v3"
 
@@ -252,4 +254,121 @@ func setupAt(t *testing.T) (string, *sql.DB, *goose.Provider) {
 		t.Fatal(err)
 	}
 	return url, db, p
+}
+
+// TestUpgradeTo6: a version-5 installation holding keys over several
+// months (some expired), per-backend duplicate counts and a maintainer role
+// is upgraded to version 6 (maintenance steps shared by idemctl and the
+// procedures, idem's own SQLSTATEs): every live key answers as before, the
+// maintainer can run CALL idem.prune() (which now folds the duplicate
+// counts) and idem.partitions_to_retire(); down to 5 and up again.
+func TestUpgradeTo6(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, db, p := setupAt(t)
+	if _, err := p.UpTo(ctx, 5); err != nil {
+		t.Fatal(err)
+	}
+	maint := fmt.Sprintf("idem_up6_maint_%d", time.Now().UnixNano())
+	if _, err := db.ExecContext(ctx, `CREATE ROLE `+maint); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = db.ExecContext(context.Background(), `DROP OWNED BY `+maint)
+		_, _ = db.ExecContext(context.Background(), `DROP ROLE `+maint)
+	})
+	if _, err := db.ExecContext(ctx, `SELECT idem.grant_maintainer($1::regrole)`, maint); err != nil {
+		t.Fatal(err)
+	}
+	month := func(add int) time.Time { return testdb.MonthStart(time.Now(), add) }
+	for _, m := range []int{-2, -1} {
+		if _, err := db.ExecContext(ctx, `SELECT idem.create_partition($1::date)`, month(m)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := db.ExecContext(ctx, `
+		INSERT INTO idem.processed_events (source, key, first_seen_month, status, token, result, first_seen, updated_at, expires_at)
+		SELECT 'up', 'live-' || m || '-' || g, idem.utc_month(now()) + make_interval(months => m), 'completed', idem.new_token(),
+		       '{"v": 1}'::jsonb, idem.utc_month(now()) + make_interval(months => m, days => 1), now(), now() + interval '20 days'
+		  FROM generate_series(-1, 0) m, generate_series(1, 50) g
+		UNION ALL
+		SELECT 'up', 'gone-' || g, idem.utc_month(now()) - interval '2 months', 'completed', idem.new_token(),
+		       NULL::jsonb, idem.utc_month(now()) - interval '2 months' + interval '1 day', now(), now() - interval '1 hour'
+		  FROM generate_series(1, 300) g`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.ExecContext(ctx, `
+		INSERT INTO idem.duplicate_counts (source, slot, duplicates, since, last_seen_at)
+		SELECT 'up', g, 3, now(), now() FROM generate_series(1, 25) g`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.Up(ctx); err != nil {
+		t.Fatal(err)
+	}
+	claimAll := func(stage string) {
+		t.Helper()
+		var n int
+		if err := db.QueryRowContext(ctx, `
+			SELECT count(*) FROM generate_series(-1, 0) m, generate_series(1, 50) g,
+			       LATERAL idem.claim('up', 'live-' || m || '-' || g) c WHERE c.outcome = 'completed'`).Scan(&n); err != nil || n != 100 {
+			t.Fatalf("%s: %d of 100 live keys answered completed (%v)", stage, n, err)
+		}
+	}
+	claimAll("after the upgrade to 6")
+
+	// The maintainer runs the pg_cron procedure: expired rows go, counts fold.
+	conn, err := db.Conn(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.ExecContext(ctx, `SET ROLE `+maint); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.ExecContext(ctx, `CALL idem.prune()`); err != nil {
+		t.Fatalf("CALL idem.prune() as the maintainer: %v", err)
+	}
+	var retire int
+	if err := conn.QueryRowContext(ctx, `SELECT count(*) FROM idem.partitions_to_retire()`).Scan(&retire); err != nil || retire != 2 {
+		t.Fatalf("idem.partitions_to_retire() as the maintainer: %d %v (want the two past months)", retire, err)
+	}
+	_, _ = conn.ExecContext(ctx, `RESET ROLE`)
+	conn.Close()
+	var gone, slots, dups int
+	if err := db.QueryRowContext(ctx, `SELECT (SELECT count(*) FROM idem.processed_events WHERE key LIKE 'gone-%'),
+	                                          (SELECT count(*) FROM idem.duplicate_counts WHERE source = 'up'),
+	                                          (SELECT sum(duplicates) FROM idem.duplicate_counts WHERE source = 'up')`).Scan(&gone, &slots, &dups); err != nil {
+		t.Fatal(err)
+	}
+	// check's claims above were duplicates too: at least the seeded 75.
+	if gone != 0 || slots != 1 || dups < 75 {
+		t.Fatalf("after CALL idem.prune(): %d expired rows left, %d count rows for 'up' summing to %d; want 0, 1, >= 75", gone, slots, dups)
+	}
+	var code string
+	_, err = db.ExecContext(ctx, `SELECT idem.prune_batch('nobody', 10)`)
+	if pe := (*pgconn.PgError)(nil); errors.As(err, &pe) {
+		code = pe.Code
+	}
+	if code != "ID001" {
+		t.Fatalf("prune_batch without the lock at version 6: %v, want SQLSTATE ID001", err)
+	}
+
+	if _, err := p.DownTo(ctx, 5); err != nil {
+		t.Fatal(err)
+	}
+	claimAll("down to 5")
+	code = ""
+	_, err = db.ExecContext(ctx, `SELECT idem.prune_batch('nobody', 10)`)
+	if pe := (*pgconn.PgError)(nil); errors.As(err, &pe) {
+		code = pe.Code
+	}
+	if code != "55P03" {
+		t.Fatalf("prune_batch without the lock at version 5: %v, want version 5's 55P03", err)
+	}
+	if _, err := db.ExecContext(ctx, `CALL idem.prune()`); err != nil {
+		t.Fatalf("version 5's CALL idem.prune(): %v", err)
+	}
+	if _, err := p.Up(ctx); err != nil {
+		t.Fatal(err)
+	}
+	claimAll("up to 6 again")
 }

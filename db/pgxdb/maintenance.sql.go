@@ -11,6 +11,17 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
+const compactDuplicateCounts = `-- name: CompactDuplicateCounts :one
+SELECT idem.compact_duplicate_counts()::bigint AS folded
+`
+
+func (q *Queries) CompactDuplicateCounts(ctx context.Context) (int64, error) {
+	row := q.db.QueryRow(ctx, compactDuplicateCounts)
+	var folded int64
+	err := row.Scan(&folded)
+	return folded, err
+}
+
 const createPartition = `-- name: CreatePartition :one
 SELECT idem.create_partition($1::date)::text AS name
 `
@@ -125,6 +136,30 @@ func (q *Queries) MonthsToCreate(ctx context.Context, premake int32) ([]pgtype.D
 	return items, nil
 }
 
+const partitionsToRetire = `-- name: PartitionsToRetire :many
+SELECT p::text AS name FROM idem.partitions_to_retire() AS p
+`
+
+func (q *Queries) PartitionsToRetire(ctx context.Context) ([]string, error) {
+	rows, err := q.db.Query(ctx, partitionsToRetire)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []string
+	for rows.Next() {
+		var name string
+		if err := rows.Scan(&name); err != nil {
+			return nil, err
+		}
+		items = append(items, name)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const prunableRows = `-- name: PrunableRows :one
 SELECT idem.prunable_rows()::bigint AS rows
 `
@@ -219,7 +254,12 @@ SELECT e.source::text                                                        AS 
        (count(*) FILTER (WHERE e.status = 'completed'))::bigint              AS completed,
        (count(*) FILTER (WHERE e.status = 'completed'
                           AND e.last_error IS NOT NULL))::bigint             AS unstored,
-       (count(*) FILTER (WHERE e.status = 'failed'))::bigint                 AS failed,
+       -- failed and released for a retry (the next delivery runs it again)
+       -- apart from failed for good (fail(retryable => false), max_attempts).
+       (count(*) FILTER (WHERE e.status = 'failed'
+                          AND e.retryable IS DISTINCT FROM false))::bigint   AS released,
+       (count(*) FILTER (WHERE e.status = 'failed'
+                          AND e.retryable = false))::bigint                  AS failed,
        -- Duplicates per source are counted in idem.duplicate_counts (sampled,
        -- unlogged); per-key counts in the rows only when a policy asks.
        coalesce((SELECT sum(d.duplicates) FROM idem.duplicate_counts d
@@ -241,6 +281,7 @@ type SourceStatsRow struct {
 	Processing int64
 	Completed  int64
 	Unstored   int64
+	Released   int64
 	Failed     int64
 	Duplicates int64
 	Retried    int64
@@ -267,6 +308,7 @@ func (q *Queries) SourceStats(ctx context.Context) ([]SourceStatsRow, error) {
 			&i.Processing,
 			&i.Completed,
 			&i.Unstored,
+			&i.Released,
 			&i.Failed,
 			&i.Duplicates,
 			&i.Retried,
@@ -312,7 +354,7 @@ SELECT l.acquired::boolean             AS acquired,
 type TryLockParams struct {
 	Name   string
 	Holder string
-	TtlMs  int64
+	TtlMs  *int64
 }
 
 type TryLockRow struct {

@@ -65,8 +65,14 @@ type globals struct {
 func (g *globals) register(fs *flag.FlagSet) {
 	fs.StringVar(&g.databaseURL, "database-url", "", "PostgreSQL connection string (default: $DATABASE_URL, then the libpq PG* variables)")
 	fs.StringVar(&g.logFormat, "log-format", "text", "log format on stderr: text or json")
-	fs.DurationVar(&g.lockTimeout, "lock-timeout", 2*time.Second, "lock_timeout for DDL and deletes: how long a statement may wait for a table lock")
-	fs.DurationVar(&g.statementTimeout, "statement-timeout", 5*time.Minute, "statement_timeout of each maintenance transaction")
+	fs.DurationVar(&g.lockTimeout, "lock-timeout", 2*time.Second, "lock_timeout for DDL and deletes: how long a statement may wait for a table lock (at least 1ms)")
+	fs.DurationVar(&g.statementTimeout, "statement-timeout", 5*time.Minute, "statement_timeout of each maintenance transaction (0: none)")
+}
+
+// timeouts are the maintenance timeouts as the packages take them; their
+// values are checked by the packages' Validate.
+func (g *globals) timeouts() (lock, statement *time.Duration) {
+	return new(g.lockTimeout), new(g.statementTimeout)
 }
 
 func (g *globals) logger(w io.Writer) (*slog.Logger, error) {

@@ -73,12 +73,12 @@ func TestMaintenanceUnderClaimLoad(t *testing.T) {
 	var deleted int64
 	var rotations int
 	for round := 0; round < 3; round++ {
-		pr, err := prune.Run(ctx, pool, prune.Config{BatchSize: 1000, Sleep: time.Millisecond})
+		pr, err := prune.Run(ctx, pool, prune.Config{BatchSize: new(1000), Sleep: new(time.Millisecond)})
 		if err != nil {
 			t.Fatal(err)
 		}
 		deleted += pr.Deleted
-		if res, err := partition.Rotate(ctx, pool, partition.Config{LockTimeout: 500 * time.Millisecond}); err != nil {
+		if res, err := partition.Rotate(ctx, pool, partition.Config{LockTimeout: new(500 * time.Millisecond)}); err != nil {
 			t.Fatalf("%v: %+v", err, res)
 		}
 		rotations++

@@ -23,18 +23,21 @@ type rotateFlags struct {
 	failIfLocked bool
 }
 
-func (r *rotateFlags) register(fs *flag.FlagSet) {
-	fs.IntVar(&r.cfg.Premake, "premake", 3, "months after the current one that must have a partition")
+// register adds rotation's flags; prefix names them apart where prune's
+// flags are registered too (idemctl run: --rotate-lock-ttl).
+func (r *rotateFlags) register(fs *flag.FlagSet, prefix string) {
+	optInt(fs, &r.cfg.Premake, "premake", partition.DefaultPremake, "months after the current one that must have a partition, 0 to 120")
 	fs.BoolVar(&r.cfg.KeepDetached, "keep-detached", false, "retire months by DETACH (keep the table) instead of DROP")
-	fs.IntVar(&r.cfg.Retries, "retries", 4, "retries of a step that timed out on a lock (doubling backoff)")
-	fs.DurationVar(&r.cfg.Backoff, "backoff", 500*time.Millisecond, "first pause before a retry")
+	optInt(fs, &r.cfg.Retries, "retries", partition.DefaultRetries, "retries of a step that timed out on a lock (doubling backoff); 0: none")
+	optDuration(fs, &r.cfg.Backoff, "backoff", partition.DefaultBackoff.String(), "first pause before a retry; 0: none")
+	optDuration(fs, &r.cfg.LockTTL, prefix+"lock-ttl", "the database's, idem.lock_ttl('rotate'): 10m", "lease of the rotate lock")
 }
 
 func runPartitions(ctx context.Context, io IO, g *globals, args []string) error {
 	if len(args) > 0 && isHelp(args[0]) {
 		fs := newFlagSet("partitions", io, g)
 		var r rotateFlags
-		r.register(fs.FlagSet)
+		r.register(fs.FlagSet, "")
 		return subcommandHelp(io.Out, "partitions rotate [flags] | list [--json]\n\nrotate: premake months, move default-partition rows, retire expired months; list: the partitions", fs)
 	}
 	if len(args) == 0 {
@@ -46,7 +49,7 @@ func runPartitions(ctx context.Context, io IO, g *globals, args []string) error 
 	asJSON := false
 	switch sub {
 	case "rotate":
-		r.register(fs.FlagSet)
+		r.register(fs.FlagSet, "")
 		fs.BoolVar(&r.failIfLocked, "fail-if-locked", false, "exit 4 instead of 0 when another instance holds the lock")
 	case "list":
 		fs.BoolVar(&asJSON, "json", false, "print JSON")
@@ -59,8 +62,11 @@ func runPartitions(ctx context.Context, io IO, g *globals, args []string) error 
 	if fs.NArg() > 0 {
 		return usageErr("partitions %s takes no arguments, got %q", sub, fs.Args())
 	}
-	if sub == "rotate" && (r.cfg.Premake < 0 || r.cfg.Premake > 120 || r.cfg.Retries < 0 || r.cfg.Backoff < 0) {
-		return usageErr("--premake must be 0 to 120, --retries and --backoff not negative")
+	if sub == "rotate" {
+		r.cfg.LockTimeout, r.cfg.StatementTimeout = g.timeouts()
+		if err := r.cfg.Validate(); err != nil {
+			return rotateConfigErr(err, "")
+		}
 	}
 	log, err := g.logger(io.Err)
 	if err != nil {
@@ -75,7 +81,6 @@ func runPartitions(ctx context.Context, io IO, g *globals, args []string) error 
 		return listPartitions(ctx, io, pool, asJSON)
 	}
 	r.cfg.Logger = log
-	r.cfg.LockTimeout, r.cfg.StatementTimeout = g.lockTimeout, g.statementTimeout
 	res, err := partition.Rotate(ctx, pool, r.cfg)
 	if res != nil {
 		reportRotate(io, res)

@@ -178,7 +178,7 @@ func TestRotationGivesWayToALongTransaction(t *testing.T) {
 			}
 		}()
 	}
-	res, err := partition.Rotate(ctx, pool, partition.Config{LockTimeout: 200 * time.Millisecond, Retries: 2, Backoff: 50 * time.Millisecond})
+	res, err := partition.Rotate(ctx, pool, partition.Config{LockTimeout: new(200 * time.Millisecond), Retries: new(2), Backoff: new(50 * time.Millisecond)})
 	claimsDuringRotation := claims.Load()
 	close(stop)
 	wg.Wait()
@@ -193,7 +193,7 @@ func TestRotationGivesWayToALongTransaction(t *testing.T) {
 	}
 	// Once the long transaction ends, the next rotation retires the month.
 	_ = long.Rollback(ctx)
-	res, err = partition.Rotate(ctx, pool, partition.Config{LockTimeout: time.Second})
+	res, err = partition.Rotate(ctx, pool, partition.Config{LockTimeout: new(time.Second)})
 	if err != nil || !strings.Contains(fmt.Sprint(res.Steps), "dropped") {
 		t.Fatalf("rotation after the long transaction: %+v %v", res, err)
 	}

@@ -21,10 +21,11 @@ type pruneFlags struct {
 }
 
 func (p *pruneFlags) register(fs *flag.FlagSet) {
-	fs.IntVar(&p.cfg.BatchSize, "batch-size", 5000, "rows deleted per batch (1 to 1000000)")
-	fs.DurationVar(&p.cfg.Sleep, "sleep", 100*time.Millisecond, "pause between batches, jittered +-50%")
+	optInt(fs, &p.cfg.BatchSize, "batch-size", prune.DefaultBatchSize, "rows deleted per batch, 1 to 1000000")
+	optDuration(fs, &p.cfg.Sleep, "sleep", prune.DefaultSleep.String(), "pause between batches, jittered +-50%; 0: none")
 	fs.DurationVar(&p.cfg.MaxDuration, "max-duration", 0, "stop after this long (0: until nothing is left)")
-	fs.DurationVar(&p.cfg.LockTTL, "lock-ttl", 30*time.Second, "lease of the prune lock; a killed prune blocks the next for at most this long")
+	optDuration(fs, &p.cfg.LockTTL, "lock-ttl", "the database's, idem.lock_ttl('prune'): 30s", "lease of the prune lock; a killed prune blocks the next for at most this long")
+	optInt(fs, &p.cfg.Retries, "batch-retries", prune.DefaultRetries, "retries of a batch that timed out on a table lock; 0: none")
 }
 
 func runPrune(ctx context.Context, io IO, g *globals, args []string) error {
@@ -39,11 +40,9 @@ func runPrune(ctx context.Context, io IO, g *globals, args []string) error {
 	if fs.NArg() > 0 {
 		return usageErr("prune takes no arguments, got %q", fs.Args())
 	}
-	if p.cfg.BatchSize < 1 || p.cfg.BatchSize > 1_000_000 {
-		return usageErr("--batch-size must be between 1 and 1000000, got %d", p.cfg.BatchSize)
-	}
-	if p.cfg.Sleep < 0 || p.cfg.MaxDuration < 0 || p.cfg.LockTTL <= 0 {
-		return usageErr("--sleep and --max-duration must not be negative, --lock-ttl must be positive")
+	p.cfg.LockTimeout, p.cfg.StatementTimeout = g.timeouts()
+	if err := p.cfg.Validate(); err != nil {
+		return pruneConfigErr(err)
 	}
 	log, err := g.logger(io.Err)
 	if err != nil {
@@ -55,7 +54,6 @@ func runPrune(ctx context.Context, io IO, g *globals, args []string) error {
 	}
 	defer pool.Close()
 	p.cfg.Logger = log
-	p.cfg.LockTimeout, p.cfg.StatementTimeout = g.lockTimeout, g.statementTimeout
 	if isTerminal(io.Out) {
 		p.cfg.Progress = func(pr prune.Progress) {
 			fmt.Fprintf(io.Out, "\rdeleted %d rows in %d batches (%.0f rows/s)   ", pr.Deleted, pr.Batches, pr.Rate())

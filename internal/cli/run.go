@@ -52,12 +52,20 @@ func runDaemon(ctx context.Context, io IO, g *globals, args []string) error {
 	var pf pruneFlags
 	pf.register(fs.FlagSet)
 	var rf rotateFlags
-	rf.register(fs.FlagSet)
+	rf.register(fs.FlagSet, "rotate-")
 	if err := fs.parse(args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {
 		return usageErr("run takes no arguments, got %q", fs.Args())
+	}
+	pf.cfg.LockTimeout, pf.cfg.StatementTimeout = g.timeouts()
+	rf.cfg.LockTimeout, rf.cfg.StatementTimeout = g.timeouts()
+	if err := pf.cfg.Validate(); err != nil {
+		return pruneConfigErr(err)
+	}
+	if err := rf.cfg.Validate(); err != nil {
+		return rotateConfigErr(err, "rotate-")
 	}
 	pruneSched, err := parseSpec("--prune-schedule", *pruneSpec)
 	if err != nil {
@@ -80,8 +88,6 @@ func runDaemon(ctx context.Context, io IO, g *globals, args []string) error {
 	m := newMetrics(pool)
 	pf.cfg.Logger = log.With(slog.String("job", "prune"))
 	rf.cfg.Logger = log.With(slog.String("job", "rotate"))
-	rf.cfg.LockTimeout, rf.cfg.StatementTimeout = g.lockTimeout, g.statementTimeout
-	pf.cfg.LockTimeout, pf.cfg.StatementTimeout = g.lockTimeout, g.statementTimeout
 	cl := cronLogger{log}
 	// SkipIfStillRunning must wrap Recover, not the reverse: a panic that
 	// escapes SkipIfStillRunning loses its token and the job never runs

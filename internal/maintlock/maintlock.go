@@ -32,14 +32,19 @@ type Lock struct {
 	ttl    time.Duration
 }
 
-// New returns a lock handle; nothing is taken until Acquire.
+// New returns a lock handle; nothing is taken until Acquire. A ttl of 0
+// takes the lock's default lease from the database (idem.lock_ttl).
 func New(q *pgxdb.Queries, name, holder string, ttl time.Duration) *Lock {
 	return &Lock{q: q, name: name, holder: holder, ttl: ttl}
 }
 
 // Acquire takes the lock, or renews it when this holder has it.
 func (l *Lock) Acquire(ctx context.Context) (Holder, error) {
-	row, err := l.q.TryLock(ctx, pgxdb.TryLockParams{Name: l.name, Holder: l.holder, TtlMs: l.ttl.Milliseconds()})
+	var ttl *int64 // nil: the lock's default lease, idem.lock_ttl(name)
+	if l.ttl > 0 {
+		ttl = new(l.ttl.Milliseconds())
+	}
+	row, err := l.q.TryLock(ctx, pgxdb.TryLockParams{Name: l.name, Holder: l.holder, TtlMs: ttl})
 	if err != nil {
 		return Holder{}, fmt.Errorf("take the %s lock: %w", l.name, err)
 	}

@@ -18,75 +18,144 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/db/pgxdb"
 	"github.com/idemkit/idem/internal/dbutil"
 	"github.com/idemkit/idem/internal/maintlock"
+	"github.com/idemkit/idem/internal/sqlstate"
 )
 
 // LockName is the maintenance lock rotation takes.
 const LockName = "rotate"
 
-// Config configures a rotation.
+// Defaults of Config's fields.
+const (
+	DefaultPremake          = 3
+	DefaultLockTimeout      = 2 * time.Second
+	DefaultStatementTimeout = 5 * time.Minute
+	DefaultRetries          = 4
+	DefaultBackoff          = 500 * time.Millisecond
+)
+
+// Config configures a rotation. Settings are pointers so that unset is
+// told apart from zero: nil means the documented default, anything given is
+// validated and honoured (Premake 0 makes no month ahead, Retries 0 tries
+// once; Go 1.26: Premake: new(0)). The zero Config is the defaults;
+// Validate says what is wrong with one.
 type Config struct {
 	// Premake is how many months after the current one must have a
-	// partition. Default 3.
-	Premake int
+	// partition, 0 to 120. nil: DefaultPremake (3), as CALL idem.rotate().
+	Premake *int
 	// KeepDetached retires months by DETACH instead of DROP, leaving the
 	// table for archiving. Default false (drop).
 	KeepDetached bool
-	// LockTimeout bounds each DDL step's wait for its locks. Default 2s.
-	LockTimeout time.Duration
+	// LockTimeout bounds each DDL step's wait for its locks (and so how
+	// long claims can queue behind rotation's lock request). Must be
+	// positive. nil: DefaultLockTimeout (2s).
+	LockTimeout *time.Duration
 	// StatementTimeout bounds each step (moving rows out of the default
-	// partition can take a while). Default 5m.
-	StatementTimeout time.Duration
+	// partition can take a while). nil: DefaultStatementTimeout (5m); 0:
+	// none.
+	StatementTimeout *time.Duration
 	// Retries is how many times a step that timed out on a lock is tried
-	// again (with doubling, jittered backoff from Backoff). Default 4.
-	Retries int
-	// Backoff is the first pause before a retry. Default 500ms.
-	Backoff time.Duration
-	// LockTTL is the lease of the rotate lock. Default 5m.
-	LockTTL time.Duration
+	// again (with doubling, jittered backoff from Backoff). nil:
+	// DefaultRetries (4); 0: none, as CALL idem.rotate().
+	Retries *int
+	// Backoff is the first pause before a retry. nil: DefaultBackoff
+	// (500ms); 0: none.
+	Backoff *time.Duration
+	// LockTTL is the lease of the rotate lock, 1ms to 24h. nil: the
+	// database's default, idem.lock_ttl('rotate') (10m), the lease CALL
+	// idem.rotate() takes too.
+	LockTTL *time.Duration
 	// Holder identifies this run in the lock table. Default host:pid:random.
 	Holder string
 	// Logger receives each step. Default: discard.
 	Logger *slog.Logger
 }
 
-func (c *Config) defaults() error {
-	if c.Premake == 0 {
-		c.Premake = 3
+// ErrInvalidConfig is wrapped by Validate's errors.
+var ErrInvalidConfig = errors.New("rotate: invalid configuration")
+
+// ConfigError names the Config field Validate refused and why. It
+// matches ErrInvalidConfig with errors.Is.
+type ConfigError struct {
+	Field   string // "BatchSize"
+	Problem string // "0 is out of range (1 to 1000000)"
+}
+
+func (e *ConfigError) Error() string {
+	return fmt.Sprintf("%s: %s %s", ErrInvalidConfig, e.Field, e.Problem)
+}
+
+func (e *ConfigError) Is(target error) bool { return target == ErrInvalidConfig }
+
+// Validate reports the first bad field of c as a *ConfigError.
+func (c Config) Validate() error {
+	bad := func(field, format string, a ...any) error {
+		return &ConfigError{Field: field, Problem: fmt.Sprintf(format, a...)}
 	}
-	if c.Premake < 0 || c.Premake > 120 {
-		return fmt.Errorf("premake %d is out of range (0 to 120 months)", c.Premake)
-	}
-	if c.LockTimeout == 0 {
-		c.LockTimeout = 2 * time.Second
-	}
-	if c.LockTimeout < 0 || c.Retries < 0 || c.Backoff < 0 || c.LockTTL < 0 {
-		return errors.New("lock timeout, retries, backoff and lock ttl must not be negative")
-	}
-	if c.StatementTimeout <= 0 {
-		c.StatementTimeout = 5 * time.Minute
-	}
-	if c.Retries == 0 {
-		c.Retries = 4
-	}
-	if c.Backoff == 0 {
-		c.Backoff = 500 * time.Millisecond
-	}
-	if c.LockTTL == 0 {
-		c.LockTTL = 5 * time.Minute
-	}
-	if c.Holder == "" {
-		c.Holder = maintlock.NewHolderID()
-	}
-	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
+	switch {
+	case c.Premake != nil && (*c.Premake < 0 || *c.Premake > 120):
+		return bad("Premake", "%d is out of range (0 to 120 months)", *c.Premake)
+	case c.LockTimeout != nil && *c.LockTimeout < time.Millisecond:
+		return bad("LockTimeout", "%s must be at least 1ms: without one a DDL step waits without limit and claims queue behind it", *c.LockTimeout)
+	case c.StatementTimeout != nil && *c.StatementTimeout < 0:
+		return bad("StatementTimeout", "%s is negative", *c.StatementTimeout)
+	case c.Retries != nil && (*c.Retries < 0 || *c.Retries > 100):
+		return bad("Retries", "%d is out of range (0 to 100)", *c.Retries)
+	case c.Backoff != nil && *c.Backoff < 0:
+		return bad("Backoff", "%s is negative", *c.Backoff)
+	case c.LockTTL != nil && (*c.LockTTL < time.Millisecond || *c.LockTTL > 24*time.Hour):
+		return bad("LockTTL", "%s is out of range (1ms to 24h)", *c.LockTTL)
 	}
 	return nil
+}
+
+// settings is a validated Config with its defaults filled in.
+type settings struct {
+	premake                  int
+	keepDetached             bool
+	lockTimeout, stmtTimeout time.Duration
+	retries                  int
+	backoff, lockTTL         time.Duration
+	holder                   string
+	log                      *slog.Logger
+}
+
+func (c Config) settings() (settings, error) {
+	if err := c.Validate(); err != nil {
+		return settings{}, err
+	}
+	s := settings{premake: DefaultPremake, keepDetached: c.KeepDetached, lockTimeout: DefaultLockTimeout,
+		stmtTimeout: DefaultStatementTimeout, retries: DefaultRetries, backoff: DefaultBackoff,
+		holder: c.Holder, log: c.Logger}
+	if c.LockTTL != nil {
+		s.lockTTL = *c.LockTTL
+	}
+	if c.LockTimeout != nil {
+		s.lockTimeout = *c.LockTimeout
+	}
+	if c.Premake != nil {
+		s.premake = *c.Premake
+	}
+	if c.StatementTimeout != nil {
+		s.stmtTimeout = *c.StatementTimeout
+	}
+	if c.Retries != nil {
+		s.retries = *c.Retries
+	}
+	if c.Backoff != nil {
+		s.backoff = *c.Backoff
+	}
+	if s.holder == "" {
+		s.holder = maintlock.NewHolderID()
+	}
+	if s.log == nil {
+		s.log = slog.New(slog.DiscardHandler)
+	}
+	return s, nil
 }
 
 // Step is one thing rotation did or tried.
@@ -116,30 +185,35 @@ func List(ctx context.Context, pool *pgxpool.Pool) ([]Partition, error) {
 	return pgxdb.New(pool).ListPartitions(ctx)
 }
 
-// Rotate runs one rotation.
+// Rotate runs one rotation: the steps of CALL idem.rotate()
+// (idem.try_lock, idem.months_to_create and idem.create_partition,
+// idem.partitions_to_retire and idem.retire_partition then
+// idem.drop_detached, idem.release_lock), driven from Go with retries and
+// logs.
 func Rotate(ctx context.Context, pool *pgxpool.Pool, cfg Config) (*Result, error) {
-	if err := cfg.defaults(); err != nil {
+	c, err := cfg.settings()
+	if err != nil {
 		return nil, err
 	}
 	q := pgxdb.New(pool)
-	lock := maintlock.New(q, LockName, cfg.Holder, cfg.LockTTL)
-	held, err := lock.Take(ctx, cfg.Logger)
+	lock := maintlock.New(q, LockName, c.holder, c.lockTTL)
+	held, err := lock.Take(ctx, c.log)
 	if err != nil {
 		return nil, err
 	}
 	if !held.Acquired {
 		return &Result{Skipped: true, Holder: held}, nil
 	}
-	defer lock.Release(ctx, cfg.Logger)
+	defer lock.Release(ctx, c.log)
 
 	res := &Result{}
-	months, err := q.MonthsToCreate(ctx, int32(cfg.Premake))
+	months, err := q.MonthsToCreate(ctx, int32(c.premake))
 	if err != nil {
 		return res, fmt.Errorf("list months to create: %w", err)
 	}
 	for _, m := range months {
 		month := m.Time.Format("2006-01")
-		out, err := cfg.step(ctx, pool, func(q *pgxdb.Queries) (string, error) {
+		out, err := c.step(ctx, pool, func(q *pgxdb.Queries) (string, error) {
 			if _, err := q.CreatePartition(ctx, m); err != nil {
 				return "", err
 			}
@@ -148,38 +222,31 @@ func Rotate(ctx context.Context, pool *pgxpool.Pool, cfg Config) (*Result, error
 		if err != nil {
 			return res, fmt.Errorf("create the partition for %s: %w", month, err)
 		}
-		res.add(ctx, cfg, Step{"create", month, out})
+		res.add(ctx, c.log, Step{"create", month, out})
 	}
 
-	parts, err := q.ListPartitions(ctx)
+	parts, err := q.PartitionsToRetire(ctx)
 	if err != nil {
-		return res, fmt.Errorf("list partitions: %w", err)
+		return res, fmt.Errorf("list partitions to retire: %w", err)
 	}
-	thisMonth, err := q.CurrentMonth(ctx) // the database's clock decides
-	if err != nil {
-		return res, err
-	}
-	for _, p := range parts {
-		if p.IsDefault || !p.MonthTo.Valid || p.MonthTo.Time.After(thisMonth.Time) {
-			continue
-		}
+	for _, name := range parts {
 		// Detach first and drop in a second transaction: the lock on
 		// processed_events, which claims queue behind, lasts only the detach.
-		out, err := cfg.step(ctx, pool, func(q *pgxdb.Queries) (string, error) {
-			return q.RetirePartition(ctx, pgxdb.RetirePartitionParams{Name: p.Name, KeepDetached: true})
+		out, err := c.step(ctx, pool, func(q *pgxdb.Queries) (string, error) {
+			return q.RetirePartition(ctx, pgxdb.RetirePartitionParams{Name: name, KeepDetached: true})
 		})
 		if err != nil {
-			return res, fmt.Errorf("retire %s: %w", p.Name, err)
+			return res, fmt.Errorf("retire %s: %w", name, err)
 		}
-		if out == "detached" && !cfg.KeepDetached {
-			out, err = cfg.step(ctx, pool, func(q *pgxdb.Queries) (string, error) {
-				return q.DropDetached(ctx, p.Name)
+		if out == "detached" && !c.keepDetached {
+			out, err = c.step(ctx, pool, func(q *pgxdb.Queries) (string, error) {
+				return q.DropDetached(ctx, name)
 			})
 			if err != nil {
-				return res, fmt.Errorf("drop %s: %w", p.Name, err)
+				return res, fmt.Errorf("drop %s: %w", name, err)
 			}
 		}
-		res.add(ctx, cfg, Step{"retire", p.Name, out})
+		res.add(ctx, c.log, Step{"retire", name, out})
 	}
 	if res.GaveUp > 0 {
 		return res, ErrIncomplete
@@ -187,20 +254,20 @@ func Rotate(ctx context.Context, pool *pgxpool.Pool, cfg Config) (*Result, error
 	return res, nil
 }
 
-func (r *Result) add(ctx context.Context, cfg Config, s Step) {
+func (r *Result) add(ctx context.Context, log *slog.Logger, s Step) {
 	r.Steps = append(r.Steps, s)
 	if len(s.Result) >= 7 && s.Result[:7] == "gave up" {
 		r.GaveUp++
 	}
-	cfg.Logger.LogAttrs(ctx, slog.LevelInfo, "rotate",
+	log.LogAttrs(ctx, slog.LevelInfo, "rotate",
 		slog.String("action", s.Action), slog.String("target", s.Target), slog.String("result", s.Result))
 }
 
 // step runs fn in a transaction with SET LOCAL lock_timeout, retrying with
 // backoff when it times out on a lock. After the last try it reports
 // "gave up: ..." instead of an error: the next run will try again.
-func (c Config) step(ctx context.Context, pool *pgxpool.Pool, fn func(q *pgxdb.Queries) (string, error)) (string, error) {
-	wait := c.Backoff
+func (c settings) step(ctx context.Context, pool *pgxpool.Pool, fn func(q *pgxdb.Queries) (string, error)) (string, error) {
+	wait := c.backoff
 	for try := 0; ; try++ {
 		out, err := c.tx(ctx, pool, fn)
 		if err == nil {
@@ -209,10 +276,10 @@ func (c Config) step(ctx context.Context, pool *pgxpool.Pool, fn func(q *pgxdb.Q
 		if !isLockTimeout(err) {
 			return "", err
 		}
-		if try >= c.Retries {
-			return fmt.Sprintf("gave up: locks not available within %s after %d tries", c.LockTimeout, try+1), nil
+		if try >= c.retries {
+			return fmt.Sprintf("gave up: locks not available within %s after %d tries", c.lockTimeout, try+1), nil
 		}
-		c.Logger.LogAttrs(ctx, slog.LevelWarn, "rotate step timed out on a lock; retrying",
+		c.log.LogAttrs(ctx, slog.LevelWarn, "rotate step timed out on a lock; retrying",
 			slog.Int("try", try+1), slog.Duration("backoff", wait))
 		t := time.NewTimer(time.Duration(float64(wait) * (0.5 + rand.Float64())))
 		select {
@@ -225,10 +292,10 @@ func (c Config) step(ctx context.Context, pool *pgxpool.Pool, fn func(q *pgxdb.Q
 	}
 }
 
-func (c Config) tx(ctx context.Context, pool *pgxpool.Pool, fn func(q *pgxdb.Queries) (string, error)) (string, error) {
+func (c settings) tx(ctx context.Context, pool *pgxpool.Pool, fn func(q *pgxdb.Queries) (string, error)) (string, error) {
 	var out string
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		if err := dbutil.SetLocalTimeouts(ctx, tx, c.LockTimeout, c.StatementTimeout); err != nil {
+		if err := dbutil.SetLocalTimeouts(ctx, tx, c.lockTimeout, c.stmtTimeout); err != nil {
 			return err
 		}
 		var err error
@@ -238,7 +305,4 @@ func (c Config) tx(ctx context.Context, pool *pgxpool.Pool, fn func(q *pgxdb.Que
 	return out, err
 }
 
-func isLockTimeout(err error) bool {
-	var pg *pgconn.PgError
-	return errors.As(err, &pg) && pg.Code == "55P03"
-}
+func isLockTimeout(err error) bool { return sqlstate.Of(err) == sqlstate.LockNotAvailable }

@@ -325,7 +325,7 @@ func TestThroughPgBouncer(t *testing.T) {
 		}
 		return true
 	})
-	pr, err := prune.Run(ctx, bp, prune.Config{BatchSize: 1000})
+	pr, err := prune.Run(ctx, bp, prune.Config{BatchSize: new(1000)})
 	if err != nil || pr.Deleted != 3000 {
 		t.Fatalf("prune through PgBouncer: %+v %v", pr, err)
 	}

@@ -57,13 +57,13 @@ func TestDuplicateStorm(t *testing.T) {
 				return
 			default:
 			}
-			res, err := prune.Run(ctx, pool, prune.Config{BatchSize: 2000, Sleep: 5 * time.Millisecond})
+			res, err := prune.Run(ctx, pool, prune.Config{BatchSize: new(2000), Sleep: new(5 * time.Millisecond)})
 			if err != nil {
 				t.Errorf("prune: %v", err)
 				return
 			}
 			pruned.Add(res.Deleted)
-			if _, err := partition.Rotate(ctx, pool, partition.Config{LockTimeout: 500 * time.Millisecond}); err != nil && !errors.Is(err, partition.ErrIncomplete) {
+			if _, err := partition.Rotate(ctx, pool, partition.Config{LockTimeout: new(500 * time.Millisecond)}); err != nil && !errors.Is(err, partition.ErrIncomplete) {
 				t.Errorf("rotate: %v", err)
 				return
 			}

@@ -6,13 +6,16 @@ SELECT l.acquired::boolean             AS acquired,
        l.lock_holder::text             AS holder,
        l.lock_expires_at::timestamptz  AS expires_at
   FROM idem.try_lock(sqlc.arg(name)::text, sqlc.arg(holder)::text,
-                     sqlc.arg(ttl_ms)::bigint * interval '1 millisecond') AS l;
+                     sqlc.narg(ttl_ms)::bigint * interval '1 millisecond') AS l;
 
 -- name: ReleaseLock :one
 SELECT idem.release_lock(sqlc.arg(name)::text, sqlc.arg(holder)::text)::boolean AS released;
 
 -- name: PruneBatch :one
 SELECT idem.prune_batch(sqlc.arg(holder)::text, sqlc.arg(batch_size)::integer)::bigint AS deleted;
+
+-- name: CompactDuplicateCounts :one
+SELECT idem.compact_duplicate_counts()::bigint AS folded;
 
 -- name: PrunableRows :one
 SELECT idem.prunable_rows()::bigint AS rows;
@@ -35,6 +38,9 @@ SELECT idem.create_partition(sqlc.arg(month)::date)::text AS name;
 -- name: RetirePartition :one
 SELECT idem.retire_partition(sqlc.arg(name)::text::regclass, sqlc.arg(keep_detached)::boolean)::text AS result;
 
+-- name: PartitionsToRetire :many
+SELECT p::text AS name FROM idem.partitions_to_retire() AS p;
+
 -- name: DropDetached :one
 SELECT idem.drop_detached(sqlc.arg(name)::text::regclass)::text AS result;
 
@@ -53,7 +59,12 @@ SELECT e.source::text                                                        AS 
        (count(*) FILTER (WHERE e.status = 'completed'))::bigint              AS completed,
        (count(*) FILTER (WHERE e.status = 'completed'
                           AND e.last_error IS NOT NULL))::bigint             AS unstored,
-       (count(*) FILTER (WHERE e.status = 'failed'))::bigint                 AS failed,
+       -- failed and released for a retry (the next delivery runs it again)
+       -- apart from failed for good (fail(retryable => false), max_attempts).
+       (count(*) FILTER (WHERE e.status = 'failed'
+                          AND e.retryable IS DISTINCT FROM false))::bigint   AS released,
+       (count(*) FILTER (WHERE e.status = 'failed'
+                          AND e.retryable = false))::bigint                  AS failed,
        -- Duplicates per source are counted in idem.duplicate_counts (sampled,
        -- unlogged); per-key counts in the rows only when a policy asks.
        coalesce((SELECT sum(d.duplicates) FROM idem.duplicate_counts d

@@ -1,0 +1,82 @@
+package cli
+
+import (
+	"errors"
+
+	"flag"
+	"fmt"
+	"github.com/idemkit/idem/internal/partition"
+	"github.com/idemkit/idem/internal/prune"
+	"strconv"
+	"time"
+)
+
+// optional is a flag that sets *p only when it is given on the command
+// line, so that the package behind it tells "not given" (nil: its
+// documented default) from a value, zero included. Its usage text names
+// the default.
+type optional[T any] struct {
+	p     **T
+	parse func(string) (T, error)
+}
+
+func (o optional[T]) String() string {
+	if o.p == nil || *o.p == nil {
+		return ""
+	}
+	return fmt.Sprint(**o.p)
+}
+
+func (o optional[T]) Set(s string) error {
+	v, err := o.parse(s)
+	if err != nil {
+		return err
+	}
+	*o.p = &v
+	return nil
+}
+
+func optInt(fs *flag.FlagSet, p **int, name string, def int, usage string) {
+	fs.Var(optional[int]{p, strconv.Atoi}, name, fmt.Sprintf("%s (default %d)", usage, def))
+}
+
+func optDuration(fs *flag.FlagSet, p **time.Duration, name, def, usage string) {
+	fs.Var(optional[time.Duration]{p, time.ParseDuration}, name, fmt.Sprintf("%s (default %s)", usage, def))
+}
+
+// flagErr turns a package's Validate error into a usage error that names
+// the flag: field is the Config field the package refused, problem why.
+func flagErr(err error, field, problem string, flags map[string]string) error {
+	if name, ok := flags[field]; ok {
+		return usageErr("%s %s", name, problem)
+	}
+	return usageErr("%v", err)
+}
+
+var pruneFlagNames = map[string]string{
+	"BatchSize": "--batch-size", "Sleep": "--sleep", "MaxDuration": "--max-duration", "LockTTL": "--lock-ttl",
+	"LockTimeout": "--lock-timeout", "StatementTimeout": "--statement-timeout", "Retries": "--batch-retries",
+}
+
+func rotateFlagNames(prefix string) map[string]string {
+	return map[string]string{
+		"Premake": "--premake", "Retries": "--retries", "Backoff": "--backoff", "LockTTL": "--" + prefix + "lock-ttl",
+		"LockTimeout": "--lock-timeout", "StatementTimeout": "--statement-timeout",
+	}
+}
+
+func pruneConfigErr(err error) error {
+	var ce *prune.ConfigError
+	if errors.As(err, &ce) {
+		return flagErr(err, ce.Field, ce.Problem, pruneFlagNames)
+	}
+	return err
+}
+
+func rotateConfigErr(err error, prefix string) error {
+	var ce *partition.ConfigError
+	if errors.As(err, &ce) {
+		return flagErr(err, ce.Field, ce.Problem, rotateFlagNames(prefix))
+	}
+	return err
+}
