@@ -20,7 +20,8 @@ type sourceStats struct {
 	Processing    int64      `json:"processing"`
 	Completed     int64      `json:"completed"`
 	Unstored      int64      `json:"completed_result_not_stored"`
-	Failed        int64      `json:"failed"`
+	Released      int64      `json:"released_for_retry"`
+	Failed        int64      `json:"failed_permanently"`
 	Duplicates    int64      `json:"duplicates"`
 	DuplicateRate float64    `json:"duplicate_rate"`
 	Retried       int64      `json:"retried"`
@@ -60,7 +61,7 @@ func runStats(ctx context.Context, io IO, g *globals, args []string) error {
 	var out statsOut
 	for _, r := range rows {
 		s := sourceStats{Source: r.Source, Keys: r.Keys, Processing: r.Processing, Completed: r.Completed,
-			Unstored: r.Unstored, Failed: r.Failed, Duplicates: r.Duplicates, Retried: r.Retried, Stuck: r.Stuck, Expired: r.Expired}
+			Unstored: r.Unstored, Released: r.Released, Failed: r.Failed, Duplicates: r.Duplicates, Retried: r.Retried, Stuck: r.Stuck, Expired: r.Expired}
 		// Each key is one new delivery; every other delivery was a duplicate.
 		if total := r.Keys + r.Duplicates; total > 0 {
 			s.DuplicateRate = float64(r.Duplicates) / float64(total)
@@ -85,14 +86,14 @@ func runStats(ctx context.Context, io IO, g *globals, args []string) error {
 		return enc.Encode(out)
 	}
 	tw := tabwriter.NewWriter(io.Out, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "SOURCE\tKEYS\tPROCESSING\tCOMPLETED\tNO RESULT\tFAILED\tDUPLICATES\tDUP RATE\tRETRIED\tSTUCK\tEXPIRED\tOLDEST\tNEWEST")
+	fmt.Fprintln(tw, "SOURCE\tKEYS\tPROCESSING\tCOMPLETED\tNO RESULT\tRETRY\tFAILED\tDUPLICATES\tDUP RATE\tRETRIED\tSTUCK\tEXPIRED\tOLDEST\tNEWEST")
 	for _, s := range out.Sources {
 		oldest, newest := "-", "-"
 		if s.Oldest != nil {
 			oldest, newest = s.Oldest.Format(time.DateTime), s.Newest.Format(time.DateTime)
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%d\t%.1f%%\t%d\t%d\t%d\t%s\t%s\n", s.Source, s.Keys, s.Processing,
-			s.Completed, s.Unstored, s.Failed, s.Duplicates, 100*s.DuplicateRate, s.Retried, s.Stuck, s.Expired, oldest, newest)
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%.1f%%\t%d\t%d\t%d\t%s\t%s\n", s.Source, s.Keys, s.Processing,
+			s.Completed, s.Unstored, s.Released, s.Failed, s.Duplicates, 100*s.DuplicateRate, s.Retried, s.Stuck, s.Expired, oldest, newest)
 	}
 	if len(out.Sources) == 0 {
 		fmt.Fprintln(tw, "(no keys)")

@@ -35,6 +35,11 @@ func TestStats(t *testing.T) {
 	}); !errors.Is(err, idem.ErrResultNotStored) {
 		t.Fatalf("unstorable result: %v", err)
 	}
+	// Two failures released for a retry, one for good.
+	for _, k := range []string{"r1", "r2"} {
+		_, _ = c.Do(ctx, "shopify", k, func(context.Context) (any, error) { return nil, errors.New("try again") })
+	}
+	_, _ = c.Do(ctx, "shopify", "p1", func(context.Context) (any, error) { return nil, idem.Permanent(errors.New("bad event")) })
 	_, _ = c.Claim(ctx, "github", "stuck", idem.WithLease(time.Second))
 	_, _ = c.Claim(ctx, "github", "busy")
 	time.Sleep(1100 * time.Millisecond)
@@ -62,11 +67,23 @@ func TestStats(t *testing.T) {
 	if b := by["big"]; b.Keys != 1 || b.Completed != 1 || b.Unstored != 1 {
 		t.Errorf("a key completed without its result: %+v", b)
 	}
+	if s := by["shopify"]; s.Keys != 3 || s.Released != 2 || s.Failed != 1 {
+		t.Errorf("failures: %+v, want 2 released for a retry and 1 failed for good", s)
+	}
 	if len(out.Partitions) < 3 {
 		t.Errorf("partitions: %+v", out.Partitions)
 	}
+	// No partition has been analyzed yet: its rows are counted, not shown
+	// as 0 (reltuples is -1 until the first ANALYZE).
+	var rows int64
+	for _, p := range out.Partitions {
+		rows += p.EstRows
+	}
+	if rows != 16 {
+		t.Errorf("rows over the partitions before ANALYZE: %d, want the 16 stored", rows)
+	}
 	r = idemctl(t, ctx, nil, "stats", "--database-url", url)
-	if r.code != 0 || !strings.Contains(r.out, "75.0%") || !strings.Contains(r.out, "processed_events_default") || !strings.Contains(r.out, "NO RESULT") {
+	if r.code != 0 || !strings.Contains(r.out, "75.0%") || !strings.Contains(r.out, "processed_events_default") || !strings.Contains(r.out, "NO RESULT") || !strings.Contains(r.out, "RETRY") {
 		t.Fatalf("stats table:\n%s", r.out)
 	}
 	if strings.Contains(r.out+r.errout, "password") {
