@@ -233,3 +233,56 @@ func TestFingerprintMismatch(t *testing.T) {
 		t.Fatalf("same fingerprint after completion: %s, want completed", got.Outcome)
 	}
 }
+
+// TestLeaseLostIsReported: while Do's work runs, its lease lapses (here a
+// worker whose clock is an hour ahead sees it lapsed) and another worker
+// takes the key over. The heartbeat's extend then fails, the work's context
+// is cancelled with ErrLeaseLost as its cause, and Do returns ErrLeaseLost,
+// whether the work stops when told or ignores its context and returns a
+// result that can no longer be recorded. The other worker's run is the one
+// that counts.
+func TestLeaseLostIsReported(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	first := idem.New(testdb.Pool(t, url, 4), nil)
+	later := idem.New(testdb.PoolAt(t, url, 4, time.Now().Add(time.Hour)), nil)
+	for _, honoursCtx := range []bool{true, false} {
+		t.Run(fmt.Sprintf("work honours ctx %v", honoursCtx), func(t *testing.T) {
+			t.Parallel()
+			key := fmt.Sprintf("job-%v", honoursCtx)
+			takenOver := make(chan struct{})
+			var cause error
+			_, err := first.Do(ctx, "queue", key, func(ctx context.Context) (any, error) {
+				cl, err := later.Claim(context.Background(), "queue", key)
+				if err != nil || cl.Outcome != idem.Acquired {
+					t.Errorf("the other worker's claim: %+v %v", cl, err)
+				}
+				close(takenOver)
+				if honoursCtx {
+					select {
+					case <-ctx.Done():
+						cause = context.Cause(ctx)
+						return nil, ctx.Err()
+					case <-time.After(10 * time.Second):
+						return nil, errors.New("the heartbeat never noticed the lease was lost")
+					}
+				}
+				time.Sleep(1500 * time.Millisecond) // past a heartbeat
+				return "done anyway", nil
+			}, idem.WithLease(time.Second))
+			<-takenOver
+			if !errors.Is(err, idem.ErrLeaseLost) {
+				t.Fatalf("Do after a lost lease: %v, want ErrLeaseLost", err)
+			}
+			if honoursCtx && !errors.Is(cause, idem.ErrLeaseLost) {
+				t.Fatalf("the work's context cause: %v, want ErrLeaseLost", cause)
+			}
+			// The other worker's claim holds the key: this run recorded nothing.
+			cl, err := later.Claim(ctx, "queue", key)
+			if err != nil || cl.Outcome != idem.InProgress {
+				t.Fatalf("after the lost run: %+v %v, want the other worker's lease in progress", cl, err)
+			}
+		})
+	}
+}

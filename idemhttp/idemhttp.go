@@ -353,6 +353,22 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 	case errors.Is(err, idem.ErrInvalidInput):
 		problem(w, http.StatusBadRequest, "Invalid idempotency key", err.Error(), nil)
 		return AnswerBadRequest
+	case rec != nil && errors.Is(err, idem.ErrLeaseLost):
+		// The lease lapsed while the handler ran (it could not be extended
+		// in time) and another worker took the key over. That run's answer
+		// is the one stored. This run's answer, if the handler wrote one,
+		// is sent as it is; if the handler stopped when its context was
+		// cancelled, the sender is told to retry and will get that answer.
+		m.cfg.Logger.LogAttrs(r.Context(), slog.LevelWarn, "idemhttp: the lease was lost while the handler ran; another worker took the key over",
+			slog.String("source", m.cfg.Source), slog.String("key", key), slog.Any("error", err))
+		if rec.written() {
+			rec.flushTo(w)
+			return AnswerLeaseLost
+		}
+		problem(w, http.StatusConflict, "Request taken over",
+			"The lease on this idempotency key lapsed while it was processed and another worker took it over; retry to get its answer.",
+			map[string]string{"Retry-After": "1"})
+		return AnswerLeaseLost
 	case rec != nil && errors.Is(err, idem.ErrResultNotStored):
 		// The handler ran and the key is completed without its answer
 		// (duplicates get 200 with no body): send this run's answer.
@@ -369,11 +385,6 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 			slog.String("source", m.cfg.Source), slog.String("key", key), slog.Any("error", err))
 		problem(w, http.StatusInternalServerError, "Internal error", "The handler failed; retry the request.", nil)
 		return AnswerPanicked
-	case rec != nil && rec.written() && errors.Is(err, idem.ErrLeaseLost):
-		// The work ran but another worker took the key over: send this
-		// run's answer; the other run's stored answer replays later.
-		rec.flushTo(w)
-		return AnswerRan
 	default:
 		m.cfg.Logger.LogAttrs(r.Context(), slog.LevelError, "idemhttp: idempotency store failed",
 			slog.String("source", m.cfg.Source), slog.String("key", key), slog.Any("error", err))

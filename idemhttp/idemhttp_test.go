@@ -1,6 +1,7 @@
 package idemhttp_test
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -362,5 +363,72 @@ func TestClientScope(t *testing.T) {
 	}
 	if a1.body != "account of Bearer alice" || a2.body != a1.body || a2.header.Get(idemhttp.ReplayedHeader) != "true" || runs.Load() != 2 {
 		t.Fatalf("alice: %q then %q (replayed %q), handler ran %d times", a1.body, a2.body, a2.header.Get(idemhttp.ReplayedHeader), runs.Load())
+	}
+}
+
+type answers struct {
+	mu  sync.Mutex
+	got []idemhttp.Answer
+}
+
+func (a *answers) ObserveAnswer(_ string, ans idemhttp.Answer) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.got = append(a.got, ans)
+}
+
+func (a *answers) last() idemhttp.Answer {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if len(a.got) == 0 {
+		return ""
+	}
+	return a.got[len(a.got)-1]
+}
+
+// TestLeaseLost: another worker takes the key over while the handler runs
+// (its token changes under it). The heartbeat's extend fails and the
+// handler's context is cancelled: a handler that stops there gets 409 with
+// Retry-After (the retry gets the other run's answer); one that ignores its
+// context and answers has its answer sent. Both are reported as
+// AnswerLeaseLost, and nothing of the lost run is stored.
+func TestLeaseLost(t *testing.T) {
+	t.Parallel()
+	var pool *pgxpool.Pool
+	ready := make(chan struct{})
+	obs := &answers{}
+	srv, p := setup(t, idemhttp.Config{Lease: time.Second, Observer: obs}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		<-ready
+		if _, err := pool.Exec(context.Background(), `UPDATE idem.processed_events SET token = idem.new_token() WHERE status = 'processing'`); err != nil {
+			t.Error(err)
+		}
+		if r.Header.Get("X-Ignore-Context") == "" {
+			select {
+			case <-r.Context().Done():
+				return // nothing written
+			case <-time.After(10 * time.Second):
+				t.Error("the handler's context was not cancelled after the lease was lost")
+			}
+		}
+		time.Sleep(1500 * time.Millisecond) // past a heartbeat
+		w.WriteHeader(http.StatusCreated)
+		_, _ = io.WriteString(w, "made by the lost run")
+	}))
+	pool = p
+	close(ready)
+
+	r := send(t, srv, "POST", "/orders", `{}`, key("lost-1"))
+	requireProblem(t, r, http.StatusConflict)
+	if r.header.Get("Retry-After") == "" || obs.last() != idemhttp.AnswerLeaseLost {
+		t.Fatalf("handler stopped by the lost lease: %+v, answer %q", r, obs.last())
+	}
+
+	r = send(t, srv, "POST", "/orders", `{}`, map[string]string{"Idempotency-Key": "lost-2", "X-Ignore-Context": "1"})
+	if r.status != http.StatusCreated || r.body != "made by the lost run" || obs.last() != idemhttp.AnswerLeaseLost {
+		t.Fatalf("handler that answered anyway: %+v, answer %q", r, obs.last())
+	}
+	var stored int
+	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM idem.processed_events WHERE status <> 'processing'`).Scan(&stored); err != nil || stored != 0 {
+		t.Fatalf("%d keys recorded by lost runs (%v), want none", stored, err)
 	}
 }

@@ -23,6 +23,11 @@ const (
 	AnswerPassedThrough Answer = "passed_through"
 	// AnswerPanicked: the handler panicked; the key was released (500).
 	AnswerPanicked Answer = "panicked"
+	// AnswerLeaseLost: the handler's lease lapsed while it ran and another
+	// worker took the key over; the handler's own answer is sent if it
+	// wrote one, else 409 with Retry-After (the retry gets the other run's
+	// answer). Nothing of this run is stored.
+	AnswerLeaseLost Answer = "lease_lost"
 	// AnswerUnavailable: the idempotency store failed before the handler
 	// ran (503); the sender retries.
 	AnswerUnavailable Answer = "unavailable"

@@ -66,7 +66,7 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		}, []string{"source"}),
 		answers: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "idem_http_answers_total",
-			Help: "Requests idemhttp answered, by source and answer (ran, replayed, in_progress, mismatch, failed, refused, bad_request, unavailable).",
+			Help: "Requests idemhttp answered, by source and answer (ran, replayed, in_progress, mismatch, failed, refused, bad_request, passed_through, panicked, lease_lost, unavailable).",
 		}, []string{"source", "answer"}),
 	}
 	for _, c := range []prometheus.Collector{m.claims, m.duration, m.answers} {
