@@ -15,13 +15,17 @@ vet:
 build:
 	go build -o bin/idemctl ./cmd/idemctl
 
-# Regenerate db/ from sql/queries and sql/migrations with the pinned sqlc.
+# Regenerate db/ from sql/queries and sql/migrations with the pinned sqlc,
+# and the sqlc recipe's examples/sqlc-app/appdb.
 generate:
 	$(SQLC) generate
+	$(SQLC) generate -f examples/sqlc-app/sqlc.yaml
 
-# Fails when the committed db/ differs from what sqlc would generate.
+# Fails when the committed generated code differs from what sqlc would
+# generate.
 sqlc-check:
 	$(SQLC) diff
+	$(SQLC) diff -f examples/sqlc-app/sqlc.yaml
 
 # Each fuzz target briefly; FUZZTIME=5m for a longer run.
 FUZZTIME ?= 10s
