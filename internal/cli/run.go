@@ -94,19 +94,7 @@ func runDaemon(ctx context.Context, io IO, g *globals, args []string) error {
 	// again.
 	c := cron.New(cron.WithParser(cronParser), cron.WithLogger(cl),
 		cron.WithChain(cron.SkipIfStillRunning(cl), cron.Recover(cl)))
-	pruneID := c.Schedule(pruneSched, m.job(ctx, log, "prune", func(ctx context.Context) (string, error) {
-		res, err := prune.Run(ctx, pool, pf.cfg)
-		if err != nil {
-			return "error", err
-		}
-		m.deleted.Add(float64(res.Deleted))
-		if res.Skipped {
-			return "skipped", nil
-		}
-		log.LogAttrs(ctx, slog.LevelInfo, "prune done", slog.Int64("deleted", res.Deleted),
-			slog.Int("batches", res.Batches), slog.String("stopped", res.Stopped))
-		return "ok", nil
-	}))
+	pruneID := c.Schedule(pruneSched, m.job(ctx, log, "prune", m.pruneJob(pool, pf.cfg, log)))
 	rotateID := c.Schedule(rotateSched, m.job(ctx, log, "rotate", func(ctx context.Context) (string, error) {
 		res, err := partition.Rotate(ctx, pool, rf.cfg)
 		if err != nil {
@@ -160,6 +148,34 @@ func runDaemon(ctx context.Context, io IO, g *globals, args []string) error {
 	return nil
 }
 
+// stuckGrace is how long ago a processing key's lease must have ended for
+// idem_stuck_leases to count it (idemctl check's default --stuck-grace).
+const stuckGrace = 10 * time.Minute
+
+// pruneJob is the body of the daemon's prune job: a prune run, then the
+// count of stuck leases (a scan of the processing rows, so it is taken once
+// per prune run rather than at every scrape).
+func (m *metrics) pruneJob(pool *pgxpool.Pool, cfg prune.Config, log *slog.Logger) func(context.Context) (string, error) {
+	return func(ctx context.Context) (string, error) {
+		res, err := prune.Run(ctx, pool, cfg)
+		if err != nil {
+			return "error", err
+		}
+		m.deleted.Add(float64(res.Deleted))
+		if stuck, err := pgxdb.New(pool).StuckLeases(ctx, stuckGrace.Milliseconds()); err == nil {
+			m.stuck.Set(float64(stuck))
+		} else {
+			log.LogAttrs(ctx, slog.LevelWarn, "could not count stuck leases", slog.Any("error", err))
+		}
+		if res.Skipped {
+			return "skipped", nil
+		}
+		log.LogAttrs(ctx, slog.LevelInfo, "prune done", slog.Int64("deleted", res.Deleted),
+			slog.Int("batches", res.Batches), slog.String("stopped", res.Stopped))
+		return "ok", nil
+	}
+}
+
 // metrics are the daemon's Prometheus metrics, on a registry of its own.
 type metrics struct {
 	reg      *prometheus.Registry
@@ -167,6 +183,7 @@ type metrics struct {
 	duration *prometheus.HistogramVec
 	lastOK   *prometheus.GaugeVec
 	deleted  prometheus.Counter
+	stuck    prometheus.Gauge
 }
 
 func newMetrics(pool *pgxpool.Pool) *metrics {
@@ -180,8 +197,10 @@ func newMetrics(pool *pgxpool.Pool) *metrics {
 			Help: "Unix time of the last successful run of each job."}, []string{"job"}),
 		deleted: prometheus.NewCounter(prometheus.CounterOpts{Name: "idem_prune_rows_deleted_total",
 			Help: "Expired rows deleted by prune."}),
+		stuck: prometheus.NewGauge(prometheus.GaugeOpts{Name: "idem_stuck_leases",
+			Help: "Keys still processing whose lease ended more than 10 minutes ago and that nobody re-acquired; counted after each prune run."}),
 	}
-	m.reg.MustRegister(m.runs, m.duration, m.lastOK, m.deleted, &dbCollector{pool: pool},
+	m.reg.MustRegister(m.runs, m.duration, m.lastOK, m.deleted, m.stuck, &dbCollector{pool: pool},
 		prometheus.NewGoCollector(), prometheus.NewProcessCollector(prometheus.ProcessCollectorOpts{}))
 	return m
 }
