@@ -47,9 +47,13 @@ func main() {
 	if err := receiver.Setup(ctx, pool); err != nil {
 		log.Fatal(err)
 	}
-	rc := &receiver.Receiver{Secrets: secrets, Pool: pool, Idem: idem.New(pool, nil), Mail: &receiver.StubMailer{}}
+	rc := &receiver.Receiver{Pool: pool, Idem: idem.New(pool, nil), Mail: &receiver.StubMailer{}}
+	h, err := rc.Handler(nil, secrets...)
+	if err != nil {
+		log.Fatal(err)
+	}
 	mux := http.NewServeMux()
-	mux.Handle("POST /webhooks/stripe", rc)
+	mux.Handle("POST /webhooks/stripe", h)
 	srv := &http.Server{Addr: addr, Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	go func() {
 		<-ctx.Done()

@@ -77,6 +77,7 @@ func runDemo(ctx context.Context, io IO, g *globals, args []string) error {
 	if throwaway {
 		// Only in the throwaway database: pin a session's idem.clock() to
 		// just before midnight at the end of last month.
+		cfg.ExactCounts = true
 		cfg.CrossMonth = func(ctx context.Context, at time.Time) (*pgxpool.Pool, error) {
 			if _, err := pool.Exec(ctx, pgcluster.ClockOverrideSQL); err != nil {
 				return nil, err
@@ -111,7 +112,7 @@ func runDemo(ctx context.Context, io IO, g *globals, args []string) error {
 	if err != nil {
 		return fmt.Errorf("rotate: %w", err)
 	}
-	fmt.Fprintf(io.Out, "  partitions rotate: %d steps, partitions premade for the next 3 months\n", len(rot.Steps))
+	fmt.Fprintf(io.Out, "  partitions rotate: %d step(s), partitions premade for the next 3 months\n", len(rot.Steps))
 	pr, err := prune.Run(ctx, pool, prune.Config{})
 	if err != nil {
 		return fmt.Errorf("prune: %w", err)

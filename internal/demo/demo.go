@@ -1,9 +1,11 @@
-// Package demo is the quick start's storm: the example webhook receiver
-// (examples/webhook-receiver) is served over HTTP and a Stripe-like sender
-// fires invoice.paid events at it, each delivered several times at once,
-// some slow, some failing and retried by the sender, some emails failing
-// once, one event first delivered last month. The checks at the end prove
-// that each payment was booked once and each email sent once.
+// Package demo is the quick start's storm: a receiver shaped like
+// examples/webhook-receiver (idemhttp's Stripe preset in front of an
+// invoice.paid handler) is served over HTTP and a Stripe-like sender fires
+// invoice.paid events at it, each delivered several times at once, some
+// slow, some failing and retried by the sender, some emails failing once,
+// one event first delivered last month. The checks at the end prove that
+// each payment was booked once and each email sent once, and that every
+// request is accounted for.
 package demo
 
 import (
@@ -14,9 +16,12 @@ import (
 	"hash/fnv"
 	"io"
 	"log/slog"
+	"maps"
 	"math/rand/v2"
 	"net"
 	"net/http"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -25,7 +30,7 @@ import (
 	"github.com/stripe/stripe-go/v85/webhook"
 
 	"github.com/idemkit/idem"
-	"github.com/idemkit/idem/examples/webhook-receiver/receiver"
+	"github.com/idemkit/idem/idemhttp"
 )
 
 // Config sizes the storm. Zero fields take the defaults in brackets.
@@ -41,6 +46,11 @@ type Config struct {
 	// through it first, so its redeliveries cross into the new month. It
 	// needs a database whose idem.clock() can be pinned (the throwaway one).
 	CrossMonth func(ctx context.Context, at time.Time) (*pgxpool.Pool, error)
+	// ExactCounts makes idem count every duplicate of the demo's source
+	// (policy duplicate_sampling 1; the default samples 1 in 8), so that
+	// the database's count can be checked against the sender's. It changes
+	// the 'stripe' policy: only for a throwaway database.
+	ExactCounts bool
 }
 
 func (c *Config) defaults() {
@@ -68,8 +78,9 @@ func (c *Config) defaults() {
 type Report struct {
 	Events, Deliveries int
 	SenderRetries      int64
-	Statuses           map[int]int64
-	Replayed           int64
+	Statuses           map[int]int64             // HTTP answers to genuine requests
+	Answers            map[idemhttp.Answer]int64 // how idemhttp answered every request
+	CountedDuplicates  int64                     // idem's own count (ExactCounts), -1 when sampled
 	EmailsSent         int
 	DuplicateEmails    int
 	Payments           int
@@ -99,14 +110,39 @@ func (r *Report) OK() bool {
 	return len(r.Checks) > 0
 }
 
+// requests is how many genuine requests the sender made: its deliveries
+// and its retries of the ones answered with a non-2xx.
+func (r *Report) requests() int64 { return int64(r.Deliveries) + r.SenderRetries }
+
+// absorbed is how many requests were answered without running the
+// handler: the stored answer replayed, or 409 while the first ran.
+func (r *Report) absorbed() int64 {
+	return r.Answers[idemhttp.AnswerReplayed] + r.Answers[idemhttp.AnswerInProgress]
+}
+
+// statuses lists the HTTP answers in status order: "200 x 1180, 409 x 20".
+func (r *Report) statuses() string {
+	codes := slices.Sorted(maps.Keys(r.Statuses))
+	parts := make([]string, len(codes))
+	for i, c := range codes {
+		parts[i] = fmt.Sprintf("%d x %d", c, r.Statuses[c])
+	}
+	return strings.Join(parts, ", ")
+}
+
 // Print writes the report for a person.
 func (r *Report) Print(w io.Writer) {
-	fmt.Fprintf(w, "\nstorm: %d invoice.paid events x %d concurrent deliveries = %d deliveries in %s\n",
-		r.Events, r.Deliveries/max(r.Events, 1), r.Deliveries, r.Elapsed.Round(time.Millisecond))
+	fmt.Fprintf(w, "\nstorm: %d invoice.paid events, each delivered %d times at once: %d deliveries, %d retried by the sender after a non-2xx, %d requests in %s\n",
+		r.Events, r.Deliveries/max(r.Events, 1), r.Deliveries, r.SenderRetries, r.requests(), r.Elapsed.Round(time.Millisecond))
+	fmt.Fprintf(w, "  answers:                        %s\n", r.statuses())
+	fmt.Fprintf(w, "  the handler ran:                %d times (%d failed with 500: key released, the sender retried)\n",
+		r.Answers[idemhttp.AnswerRan], r.Statuses[http.StatusInternalServerError])
+	fmt.Fprintf(w, "  duplicates absorbed:            %d (%d replayed the stored answer, %d told 409 while the first ran)\n",
+		r.absorbed(), r.Answers[idemhttp.AnswerReplayed], r.Answers[idemhttp.AnswerInProgress])
+	if r.CountedDuplicates >= 0 {
+		fmt.Fprintf(w, "  duplicates idem counted:        %d (idemctl stats' DUPLICATES for stripe, below)\n", r.CountedDuplicates)
+	}
 	fmt.Fprintf(w, "  forged, stale, unsigned:        %d sent, %d refused before any claim\n", r.Forged, r.ForgedRefused)
-	fmt.Fprintf(w, "  sender retries after a non-2xx: %d\n", r.SenderRetries)
-	fmt.Fprintf(w, "  HTTP answers:                   %v\n", r.Statuses)
-	fmt.Fprintf(w, "  duplicates absorbed (replayed): %d\n", r.Replayed)
 	fmt.Fprintf(w, "  payments booked:                %d\n", r.Payments)
 	fmt.Fprintf(w, "  confirmation emails sent:       %d (duplicates: %d)\n", r.EmailsSent, r.DuplicateEmails)
 	if r.CrossMonth != "" {
@@ -138,8 +174,15 @@ func pick(id string, rate float64) bool {
 // applied), runs the storm and checks the outcome.
 func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config, log *slog.Logger) (*Report, error) {
 	cfg.defaults()
-	if err := receiver.Setup(ctx, pool); err != nil {
+	if _, err := pool.Exec(ctx, paymentsSchema); err != nil {
 		return nil, fmt.Errorf("create the receiver's table: %w", err)
+	}
+	if cfg.ExactCounts {
+		if _, err := pool.Exec(ctx, `
+			INSERT INTO idem.policies (source, ttl, lease, duplicate_sampling) VALUES ('stripe', '7 days', '2 minutes', 1)
+			ON CONFLICT (source) DO UPDATE SET duplicate_sampling = 1`); err != nil {
+			return nil, fmt.Errorf("count every duplicate: %w", err)
+		}
 	}
 	run := fmt.Sprintf("%08x", rand.Uint32())
 	events := make([]event, cfg.Events)
@@ -162,29 +205,33 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config, log *slog.Logger) 
 		want[e.customer] += e.amount
 	}
 
-	mail := &receiver.StubMailer{FailFirst: func(subject string) bool { return pick(subject, 0.05) }}
-	rc := &receiver.Receiver{Secrets: []string{demoSecret}, Pool: pool, Idem: idem.New(pool, nil), Mail: mail, Log: log,
-		Chaos: &receiver.Chaos{
-			Slow: func(id string) time.Duration {
-				if pick(id+"slow", cfg.SlowRate) {
-					return cfg.SlowFor
-				}
-				return 0
-			},
-			FailOnce: func(id string) bool { return pick(id, cfg.FlakyRate) },
-		}}
+	mail := &stubMailer{failFirst: func(subject string) bool { return pick(subject, 0.05) }}
+	rc := &receiver{pool: pool, idem: idem.New(pool, nil), mail: mail,
+		slow: func(id string) time.Duration {
+			if pick(id+"slow", cfg.SlowRate) {
+				return cfg.SlowFor
+			}
+			return 0
+		},
+		failOnce: func(id string) bool { return pick(id, cfg.FlakyRate) },
+	}
+	answers := &answerCounts{n: map[idemhttp.Answer]int64{}}
+	h, err := rc.handler(demoSecret, answers, log)
+	if err != nil {
+		return nil, err
+	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return nil, err
 	}
 	mux := http.NewServeMux()
-	mux.Handle("POST /webhooks/stripe", rc)
+	mux.Handle("POST /webhooks/stripe", h)
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	go func() { _ = srv.Serve(ln) }()
 	defer srv.Close()
 	url := "http://" + ln.Addr().String() + "/webhooks/stripe"
 
-	rep := &Report{Events: cfg.Events, Deliveries: cfg.Events * cfg.Deliveries, Statuses: map[int]int64{}}
+	rep := &Report{Events: cfg.Events, Deliveries: cfg.Events * cfg.Deliveries, Statuses: map[int]int64{}, CountedDuplicates: -1}
 	// One event was first delivered (and processed) just before midnight
 	// at the end of last month: its key lives in last month's partition.
 	if cfg.CrossMonth != nil && len(events) > 0 {
@@ -195,12 +242,21 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config, log *slog.Logger) 
 		if err != nil {
 			return nil, fmt.Errorf("cross-month setup: %w", err)
 		}
-		earlier := &receiver.Receiver{Secrets: rc.Secrets, Pool: old, Idem: idem.New(old, nil), Mail: mail, Log: log, Chaos: rc.Chaos}
+		earlier := &receiver{pool: old, idem: idem.New(old, nil), mail: mail, slow: rc.slow, failOnce: rc.failOnce}
+		eh, err := earlier.handler(demoSecret, answers, log)
+		if err != nil {
+			return nil, err
+		}
 		for attempt := 1; ; attempt++ { // the sender retries until a 2xx
 			rec := &statusRecorder{header: http.Header{}}
 			req := signed(ctx, url, e.body, demoSecret, time.Now())
-			earlier.ServeHTTP(rec, req)
-			rep.Deliveries++
+			eh.ServeHTTP(rec, req)
+			if attempt == 1 {
+				rep.Deliveries++
+			} else {
+				rep.SenderRetries++
+			}
+			rep.Statuses[max(rec.code, http.StatusOK)]++
 			if rec.code == 0 || rec.code == http.StatusOK {
 				break
 			}
@@ -249,18 +305,12 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config, log *slog.Logger) 
 			if err != nil {
 				return err
 			}
-			var body struct {
-				Replayed bool `json:"replayed"`
-			}
-			_ = json.NewDecoder(resp.Body).Decode(&body)
+			_, _ = io.Copy(io.Discard, resp.Body)
 			resp.Body.Close()
 			mu.Lock()
 			rep.Statuses[resp.StatusCode]++
 			mu.Unlock()
 			if resp.StatusCode/100 == 2 {
-				if body.Replayed {
-					atomic.AddInt64(&rep.Replayed, 1)
-				}
 				return nil
 			}
 			if attempt >= 8 {
@@ -300,11 +350,12 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config, log *slog.Logger) 
 	close(ch)
 	wg.Wait()
 	rep.Elapsed = time.Since(start)
+	rep.Answers = answers.snapshot()
 	if firstErr != nil {
 		return rep, firstErr
 	}
 
-	for _, n := range mail.Sent {
+	for _, n := range mail.sent {
 		rep.EmailsSent++
 		rep.DuplicateEmails += n - 1
 	}
@@ -346,6 +397,17 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config, log *slog.Logger) 
 			fmt.Sprintf("%d sent, %d duplicates", rep.EmailsSent, rep.DuplicateEmails)},
 		{"customer balances are exact", rep.BalancesOK, fmt.Sprintf("%d customers", len(want))},
 		{"no key left in processing", rep.StillProcessing == 0, fmt.Sprintf("%d left", rep.StillProcessing)},
+		{"every request accounted for: the handler ran or a duplicate was absorbed",
+			rep.Answers[idemhttp.AnswerRan]+rep.absorbed() == rep.requests(),
+			fmt.Sprintf("%d ran + %d absorbed = %d of %d requests", rep.Answers[idemhttp.AnswerRan], rep.absorbed(),
+				rep.Answers[idemhttp.AnswerRan]+rep.absorbed(), rep.requests())},
+	}
+	if cfg.ExactCounts {
+		if err := pool.QueryRow(ctx, `SELECT coalesce(sum(duplicates), 0) FROM idem.duplicate_counts WHERE source = 'stripe'`).Scan(&rep.CountedDuplicates); err != nil {
+			return rep, err
+		}
+		rep.Checks = append(rep.Checks, Check{"idem counted every duplicate the sender saw absorbed",
+			rep.CountedDuplicates == rep.absorbed(), fmt.Sprintf("%d counted, %d absorbed", rep.CountedDuplicates, rep.absorbed())})
 	}
 	if cfg.CrossMonth != nil {
 		var month time.Time
@@ -376,6 +438,24 @@ func unsigned(ctx context.Context, url string, body []byte) *http.Request {
 	req, _ := http.NewRequestWithContext(ctx, "POST", url, bytes.NewReader(body))
 	req.Header.Set("Content-Type", "application/json")
 	return req
+}
+
+// answerCounts counts idemhttp's answers (its Observer).
+type answerCounts struct {
+	mu sync.Mutex
+	n  map[idemhttp.Answer]int64
+}
+
+func (a *answerCounts) ObserveAnswer(_ string, ans idemhttp.Answer) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.n[ans]++
+}
+
+func (a *answerCounts) snapshot() map[idemhttp.Answer]int64 {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return maps.Clone(a.n)
 }
 
 // statusRecorder is a minimal ResponseWriter for the in-process delivery.

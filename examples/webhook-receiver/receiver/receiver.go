@@ -1,7 +1,8 @@
-// Package receiver is a realistic Stripe-style webhook receiver built on
-// idem: an invoice.paid handler that records the payment in the same
-// transaction as the claim (an exactly-once database effect) and sends a
-// confirmation email behind a key of its own (sent once).
+// Package receiver is a realistic Stripe webhook receiver built on idem:
+// idemhttp's Stripe preset verifies each delivery's signature, claims the
+// event id and replays the stored answer to every duplicate; the
+// invoice.paid handler behind it books the payment with an absolute upsert
+// and sends the receipt email behind an idem key of its own (sent once).
 package receiver
 
 import (
@@ -9,11 +10,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net/http"
 	"sync"
-	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -40,46 +39,11 @@ type Mailer interface {
 	Send(ctx context.Context, to, subject string) error
 }
 
-// Receiver handles POST /webhooks/stripe.
+// Receiver handles invoice.paid events.
 type Receiver struct {
-	// Secrets are the endpoint's signing secrets ("whsec_...", two while
-	// one is rolled). A delivery whose Stripe-Signature does not verify
-	// against one of them is refused before anything is claimed.
-	Secrets []string
-	Pool    *pgxpool.Pool
-	Idem    *idem.Client
-	Mail    Mailer
-	Log     *slog.Logger
-	// Chaos, when set, slows or fails the work on purpose (the demo's storm).
-	Chaos *Chaos
-}
-
-// Chaos injects the faults a real receiver meets.
-type Chaos struct {
-	Slow     func(eventID string) time.Duration // work that takes a while
-	FailOnce func(eventID string) bool          // work that fails once, then succeeds
-	failed   sync.Map
-}
-
-func (c *Chaos) apply(ctx context.Context, eventID string) error {
-	if c == nil {
-		return nil
-	}
-	if c.Slow != nil {
-		if d := c.Slow(eventID); d > 0 {
-			select {
-			case <-time.After(d):
-			case <-ctx.Done():
-				return ctx.Err()
-			}
-		}
-	}
-	if c.FailOnce != nil && c.FailOnce(eventID) {
-		if _, seen := c.failed.LoadOrStore(eventID, true); !seen {
-			return errors.New("payment ledger timed out")
-		}
-	}
-	return nil
+	Pool *pgxpool.Pool
+	Idem *idem.Client
+	Mail Mailer
 }
 
 // Schema creates the receiver's table.
@@ -92,30 +56,28 @@ CREATE TABLE IF NOT EXISTS payments (
     recorded_at  timestamptz NOT NULL DEFAULT now()
 )`
 
-func (rc *Receiver) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	// Detached from the request: Stripe hangs up after about 10 seconds,
-	// and work that has started (a payment, an email) must finish and be
-	// recorded anyway, or Stripe's retry would do it again. The receiver's
-	// own deadline bounds it instead.
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), time.Minute)
-	defer cancel()
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, 1<<20))
+// Handler returns the receiver behind idemhttp's Stripe preset. secrets
+// are the endpoint's signing secrets ("whsec_...", two while one is
+// rolled): a delivery whose Stripe-Signature does not verify against one
+// of them is refused (400 or 401) before anything is claimed, so a forged
+// delivery carrying a genuine event id can never poison its key.
+func (rc *Receiver) Handler(log *slog.Logger, secrets ...string) (http.Handler, error) {
+	mw, err := idemhttp.New(idemhttp.Config{Client: rc.Idem, Logger: log}.Apply(idemhttp.Stripe(secrets...)))
 	if err != nil {
-		http.Error(w, "body too large", http.StatusRequestEntityTooLarge)
-		return
+		return nil, err
 	}
-	// 0. Is it Stripe? Verified before anything is claimed, so a forged
-	//    delivery carrying a genuine event id can never poison its key.
-	if err := idemhttp.StripeVerifier(idemhttp.DefaultTolerance, rc.Secrets...)(r, body); err != nil {
-		status := http.StatusUnauthorized
-		if errors.Is(err, idemhttp.ErrSignatureMissing) {
-			status = http.StatusBadRequest
-		}
-		http.Error(w, "signature verification failed", status)
-		return
-	}
+	return mw(rc), nil
+}
+
+// ServeHTTP runs once per event: idemhttp has claimed the event id, answers
+// every duplicate with the stored 2xx, and runs this again only after a
+// non-2xx answer (the key is released and Stripe retries). Its context is
+// detached from Stripe's connection, so a sender that hangs up does not
+// stop a payment half-way.
+func (rc *Receiver) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	ctx := r.Context()
 	var ev Event
-	if err := json.Unmarshal(body, &ev); err != nil || ev.ID == "" {
+	if err := json.NewDecoder(r.Body).Decode(&ev); err != nil {
 		http.Error(w, "not a Stripe event", http.StatusBadRequest)
 		return
 	}
@@ -125,68 +87,33 @@ func (rc *Receiver) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	inv := ev.Data.Object
 
-	// 1. The payment: claim and write in one transaction. A duplicate waits
-	//    for the first delivery's transaction, then replays its result.
-	tx, err := rc.Pool.Begin(ctx)
-	if err != nil {
+	// 1. The payment: absolute, not relative (the invoice is paid with this
+	//    amount), so a run repeated after a crash writes the same row.
+	if _, err := rc.Pool.Exec(ctx, `
+		INSERT INTO payments (invoice_id, customer, amount_cents, event_id)
+		VALUES ($1, $2, $3, $4)
+		ON CONFLICT (invoice_id) DO UPDATE SET amount_cents = EXCLUDED.amount_cents`,
+		inv.ID, inv.Customer, inv.AmountPaid, ev.ID); err != nil {
 		http.Error(w, "database unavailable", http.StatusServiceUnavailable)
 		return
 	}
-	defer tx.Rollback(ctx)
-	res, err := rc.Idem.WithTx(tx).Do(ctx, "stripe", ev.ID, func(ctx context.Context) (any, error) {
-		if err := rc.Chaos.apply(ctx, ev.ID); err != nil {
-			return nil, err
-		}
-		// Absolute, not relative: the invoice is paid with this amount.
-		_, err := tx.Exec(ctx, `
-			INSERT INTO payments (invoice_id, customer, amount_cents, event_id)
-			VALUES ($1, $2, $3, $4)
-			ON CONFLICT (invoice_id) DO UPDATE SET amount_cents = EXCLUDED.amount_cents`,
-			inv.ID, inv.Customer, inv.AmountPaid, ev.ID)
-		return map[string]any{"invoice": inv.ID, "status": "recorded"}, err
-	}, idem.WithFingerprint(idem.Fingerprint(body)), idem.WithEventType(ev.Type))
-	switch {
-	case errors.Is(err, idem.ErrMismatch):
-		http.Error(w, "event id reused with a different payload", http.StatusUnprocessableEntity)
-		return
-	case err != nil:
-		// The failure was recorded in tx: commit it so the redelivery
-		// re-runs the work (attempt 2). Stripe retries on any non-2xx.
-		_ = tx.Commit(ctx)
-		rc.log().LogAttrs(ctx, slog.LevelWarn, "payment failed; Stripe will retry", slog.String("event", ev.ID), slog.Any("error", err))
-		http.Error(w, "temporary failure", http.StatusInternalServerError)
-		return
-	}
-	if err := tx.Commit(ctx); err != nil {
-		http.Error(w, "commit failed", http.StatusServiceUnavailable)
-		return
-	}
 
-	// 2. The side effect: an email can't be rolled back, so it gets a key
-	//    of its own, claimed only after the payment committed. Whoever
-	//    acquires it sends; everyone else sees it done (or in flight).
-	_, err = rc.Idem.Do(ctx, "email", "receipt:"+inv.ID, func(ctx context.Context) (any, error) {
+	// 2. The email can't be taken back, so it gets a key of its own: if the
+	//    send fails, the 500 makes Stripe redeliver, the payment above is
+	//    written again (the same), and the email is sent at most once.
+	_, err := rc.Idem.Do(ctx, "email", "receipt:"+inv.ID, func(ctx context.Context) (any, error) {
 		return nil, rc.Mail.Send(ctx, inv.Email, fmt.Sprintf("Receipt for %s", inv.ID))
 	})
 	if err != nil && !errors.Is(err, idem.ErrInProgress) {
-		// Released for a retry: ask Stripe to redeliver; the payment part
-		// will replay and the email will be tried again.
 		http.Error(w, "email not sent yet", http.StatusInternalServerError)
 		return
 	}
 	w.Header().Set("Content-Type", "application/json")
-	json.NewEncoder(w).Encode(map[string]any{"received": true, "replayed": res.Replayed})
-}
-
-func (rc *Receiver) log() *slog.Logger {
-	if rc.Log != nil {
-		return rc.Log
-	}
-	return slog.Default()
+	json.NewEncoder(w).Encode(map[string]any{"received": true, "invoice": inv.ID})
 }
 
 // StubMailer records sends instead of sending. FailFirst makes the first
-// send to each address fail (a flaky SMTP relay).
+// send of a subject fail (a flaky SMTP relay).
 type StubMailer struct {
 	mu        sync.Mutex
 	Sent      map[string]int // subject -> times sent
