@@ -189,3 +189,57 @@ func TestPruneCompactsDuplicateCounts(t *testing.T) {
 	}
 	check("CALL idem.prune()", 1600)
 }
+
+// TestSQLRotateSkipsALockedMonth: CALL idem.rotate() retires one past
+// month, then times out locking the next (a session is reading it). The
+// timed-out month is left attached for the next run, the procedure ends
+// normally and releases the rotate lock. (Before version 4 the previous
+// month's result was reused: drop_detached ran on the attached month and
+// the procedure aborted holding the lock.)
+func TestSQLRotateSkipsALockedMonth(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.Pool(t, url, 4)
+	now := time.Now()
+	for _, m := range []int{-3, -2} {
+		if _, err := pool.Exec(ctx, `SELECT idem.create_partition($1)`, monthStart(now, m)); err != nil {
+			t.Fatal(err)
+		}
+		seedRows(t, pool, fmt.Sprintf("m%d-", -m), monthStart(now, m), 10, true, false)
+	}
+	if _, err := pool.Exec(ctx, `DELETE FROM idem.processed_events WHERE first_seen_month < idem.utc_month(now())`); err != nil {
+		t.Fatal(err)
+	}
+	reader, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer reader.Rollback(ctx)
+	locked := "processed_events_" + pname(monthStart(now, -2))
+	if _, err := reader.Exec(ctx, `SELECT count(*) FROM idem.`+locked); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `CALL idem.rotate(lock_wait => '200 milliseconds')`); err != nil {
+		t.Fatalf("CALL idem.rotate() with a month locked: %v", err)
+	}
+	names := fmt.Sprint(partitionNames(t, pool))
+	if strings.Contains(names, pname(monthStart(now, -3))) || !strings.Contains(names, pname(monthStart(now, -2))) {
+		t.Fatalf("partitions after rotation: %s; want %s retired and %s kept for the next run",
+			names, pname(monthStart(now, -3)), pname(monthStart(now, -2)))
+	}
+	var got bool
+	if err := pool.QueryRow(ctx, `SELECT acquired FROM idem.try_lock('rotate', 'next-run', NULL)`).Scan(&got); err != nil || !got {
+		t.Fatalf("the rotate lock after the procedure: acquired %v, %v", got, err)
+	}
+	_ = reader.Rollback(ctx)
+	if _, err := pool.Exec(ctx, `SELECT idem.release_lock('rotate', 'next-run')`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `CALL idem.rotate()`); err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(fmt.Sprint(partitionNames(t, pool)), pname(monthStart(now, -2))) {
+		t.Fatal("the next run did not retire the month that was locked")
+	}
+}
