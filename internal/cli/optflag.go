@@ -5,8 +5,7 @@ import (
 
 	"flag"
 	"fmt"
-	"github.com/idemkit/idem/internal/partition"
-	"github.com/idemkit/idem/internal/prune"
+	"github.com/idemkit/idem/internal/maintcfg"
 	"strconv"
 	"time"
 )
@@ -44,11 +43,14 @@ func optDuration(fs *flag.FlagSet, p **time.Duration, name, def, usage string) {
 	fs.Var(optional[time.Duration]{p, time.ParseDuration}, name, fmt.Sprintf("%s (default %s)", usage, def))
 }
 
-// flagErr turns a package's Validate error into a usage error that names
-// the flag: field is the Config field the package refused, problem why.
-func flagErr(err error, field, problem string, flags map[string]string) error {
-	if name, ok := flags[field]; ok {
-		return usageErr("%s %s", name, problem)
+// configErr turns a maintenance package's Validate error into a usage
+// error that names the flag (flags maps Config fields to flag names).
+func configErr(err error, flags map[string]string) error {
+	var ce *maintcfg.Error
+	if errors.As(err, &ce) {
+		if name, ok := flags[ce.Field]; ok {
+			return usageErr("%s %s", name, ce.Problem)
+		}
 	}
 	return usageErr("%v", err)
 }
@@ -63,20 +65,4 @@ func rotateFlagNames(prefix string) map[string]string {
 		"Premake": "--premake", "Retries": "--retries", "Backoff": "--backoff", "LockTTL": "--" + prefix + "lock-ttl",
 		"LockTimeout": "--lock-timeout", "StatementTimeout": "--statement-timeout",
 	}
-}
-
-func pruneConfigErr(err error) error {
-	var ce *prune.ConfigError
-	if errors.As(err, &ce) {
-		return flagErr(err, ce.Field, ce.Problem, pruneFlagNames)
-	}
-	return err
-}
-
-func rotateConfigErr(err error, prefix string) error {
-	var ce *partition.ConfigError
-	if errors.As(err, &ce) {
-		return flagErr(err, ce.Field, ce.Problem, rotateFlagNames(prefix))
-	}
-	return err
 }

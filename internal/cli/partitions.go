@@ -65,7 +65,7 @@ func runPartitions(ctx context.Context, io IO, g *globals, args []string) error 
 	if sub == "rotate" {
 		r.cfg.LockTimeout, r.cfg.StatementTimeout = g.timeouts()
 		if err := r.cfg.Validate(); err != nil {
-			return rotateConfigErr(err, "")
+			return configErr(err, rotateFlagNames(""))
 		}
 	}
 	log, err := g.logger(io.Err)

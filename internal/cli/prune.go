@@ -42,7 +42,7 @@ func runPrune(ctx context.Context, io IO, g *globals, args []string) error {
 	}
 	p.cfg.LockTimeout, p.cfg.StatementTimeout = g.timeouts()
 	if err := p.cfg.Validate(); err != nil {
-		return pruneConfigErr(err)
+		return configErr(err, pruneFlagNames)
 	}
 	log, err := g.logger(io.Err)
 	if err != nil {

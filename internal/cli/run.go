@@ -62,10 +62,10 @@ func runDaemon(ctx context.Context, io IO, g *globals, args []string) error {
 	pf.cfg.LockTimeout, pf.cfg.StatementTimeout = g.timeouts()
 	rf.cfg.LockTimeout, rf.cfg.StatementTimeout = g.timeouts()
 	if err := pf.cfg.Validate(); err != nil {
-		return pruneConfigErr(err)
+		return configErr(err, pruneFlagNames)
 	}
 	if err := rf.cfg.Validate(); err != nil {
-		return rotateConfigErr(err, "rotate-")
+		return configErr(err, rotateFlagNames("rotate-"))
 	}
 	pruneSched, err := parseSpec("--prune-schedule", *pruneSpec)
 	if err != nil {

@@ -10,6 +10,7 @@
 package partition
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -22,6 +23,7 @@ import (
 
 	"github.com/idemkit/idem/db/pgxdb"
 	"github.com/idemkit/idem/internal/dbutil"
+	"github.com/idemkit/idem/internal/maintcfg"
 	"github.com/idemkit/idem/internal/maintlock"
 	"github.com/idemkit/idem/internal/sqlstate"
 )
@@ -75,27 +77,15 @@ type Config struct {
 	Logger *slog.Logger
 }
 
-// ErrInvalidConfig is wrapped by Validate's errors.
-var ErrInvalidConfig = errors.New("rotate: invalid configuration")
+// ErrInvalidConfig is matched by Validate's errors.
+var ErrInvalidConfig = maintcfg.ErrInvalidConfig
 
-// ConfigError names the Config field Validate refused and why. It
-// matches ErrInvalidConfig with errors.Is.
-type ConfigError struct {
-	Field   string // "BatchSize"
-	Problem string // "0 is out of range (1 to 1000000)"
-}
-
-func (e *ConfigError) Error() string {
-	return fmt.Sprintf("%s: %s %s", ErrInvalidConfig, e.Field, e.Problem)
-}
-
-func (e *ConfigError) Is(target error) bool { return target == ErrInvalidConfig }
+// ConfigError names the Config field Validate refused and why.
+type ConfigError = maintcfg.Error
 
 // Validate reports the first bad field of c as a *ConfigError.
 func (c Config) Validate() error {
-	bad := func(field, format string, a ...any) error {
-		return &ConfigError{Field: field, Problem: fmt.Sprintf(format, a...)}
-	}
+	bad := func(field, format string, a ...any) error { return maintcfg.Bad("rotate", field, format, a...) }
 	switch {
 	case c.Premake != nil && (*c.Premake < 0 || *c.Premake > 120):
 		return bad("Premake", "%d is out of range (0 to 120 months)", *c.Premake)
@@ -128,34 +118,17 @@ func (c Config) settings() (settings, error) {
 	if err := c.Validate(); err != nil {
 		return settings{}, err
 	}
-	s := settings{premake: DefaultPremake, keepDetached: c.KeepDetached, lockTimeout: DefaultLockTimeout,
-		stmtTimeout: DefaultStatementTimeout, retries: DefaultRetries, backoff: DefaultBackoff,
-		holder: c.Holder, log: c.Logger}
-	if c.LockTTL != nil {
-		s.lockTTL = *c.LockTTL
-	}
-	if c.LockTimeout != nil {
-		s.lockTimeout = *c.LockTimeout
-	}
-	if c.Premake != nil {
-		s.premake = *c.Premake
-	}
-	if c.StatementTimeout != nil {
-		s.stmtTimeout = *c.StatementTimeout
-	}
-	if c.Retries != nil {
-		s.retries = *c.Retries
-	}
-	if c.Backoff != nil {
-		s.backoff = *c.Backoff
-	}
-	if s.holder == "" {
-		s.holder = maintlock.NewHolderID()
-	}
-	if s.log == nil {
-		s.log = slog.New(slog.DiscardHandler)
-	}
-	return s, nil
+	return settings{
+		premake:      maintcfg.Or(c.Premake, DefaultPremake),
+		keepDetached: c.KeepDetached,
+		lockTimeout:  maintcfg.Or(c.LockTimeout, DefaultLockTimeout),
+		stmtTimeout:  maintcfg.Or(c.StatementTimeout, DefaultStatementTimeout),
+		retries:      maintcfg.Or(c.Retries, DefaultRetries),
+		backoff:      maintcfg.Or(c.Backoff, DefaultBackoff),
+		lockTTL:      maintcfg.Or(c.LockTTL, 0), // 0: the database's default
+		holder:       cmp.Or(c.Holder, maintlock.NewHolderID()),
+		log:          cmp.Or(c.Logger, slog.New(slog.DiscardHandler)),
+	}, nil
 }
 
 // Step is one thing rotation did or tried.

@@ -10,6 +10,7 @@
 package prune
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -22,6 +23,7 @@ import (
 
 	"github.com/idemkit/idem/db/pgxdb"
 	"github.com/idemkit/idem/internal/dbutil"
+	"github.com/idemkit/idem/internal/maintcfg"
 	"github.com/idemkit/idem/internal/maintlock"
 	"github.com/idemkit/idem/internal/sqlstate"
 )
@@ -122,27 +124,15 @@ var ErrLockLost = errors.New("prune: lost the prune lock mid-run")
 // the next run goes on where this one stopped.
 var ErrLockTimeout = errors.New("prune: batches kept timing out on a table lock")
 
-// ErrInvalidConfig is wrapped by Validate's errors.
-var ErrInvalidConfig = errors.New("prune: invalid configuration")
+// ErrInvalidConfig is matched by Validate's errors.
+var ErrInvalidConfig = maintcfg.ErrInvalidConfig
 
-// ConfigError names the Config field Validate refused and why. It
-// matches ErrInvalidConfig with errors.Is.
-type ConfigError struct {
-	Field   string // "BatchSize"
-	Problem string // "0 is out of range (1 to 1000000)"
-}
-
-func (e *ConfigError) Error() string {
-	return fmt.Sprintf("%s: %s %s", ErrInvalidConfig, e.Field, e.Problem)
-}
-
-func (e *ConfigError) Is(target error) bool { return target == ErrInvalidConfig }
+// ConfigError names the Config field Validate refused and why.
+type ConfigError = maintcfg.Error
 
 // Validate reports the first bad field of c as a *ConfigError.
 func (c Config) Validate() error {
-	bad := func(field, format string, a ...any) error {
-		return &ConfigError{Field: field, Problem: fmt.Sprintf(format, a...)}
-	}
+	bad := func(field, format string, a ...any) error { return maintcfg.Bad("prune", field, format, a...) }
 	switch {
 	case c.BatchSize != nil && (*c.BatchSize < 1 || *c.BatchSize > 1_000_000):
 		return bad("BatchSize", "%d is out of range (1 to 1000000)", *c.BatchSize)
@@ -179,34 +169,19 @@ func (c Config) settings() (settings, error) {
 	if err := c.Validate(); err != nil {
 		return settings{}, err
 	}
-	s := settings{batchSize: DefaultBatchSize, sleep: DefaultSleep, maxDuration: c.MaxDuration,
-		lockTimeout: DefaultLockTimeout, stmtTimeout: DefaultStatementTimeout, retries: DefaultRetries,
-		dryRun: c.DryRun, holder: c.Holder, log: c.Logger, progress: c.Progress}
-	if c.BatchSize != nil {
-		s.batchSize = *c.BatchSize
-	}
-	if c.LockTTL != nil {
-		s.lockTTL = *c.LockTTL
-	}
-	if c.LockTimeout != nil {
-		s.lockTimeout = *c.LockTimeout
-	}
-	if c.Sleep != nil {
-		s.sleep = *c.Sleep
-	}
-	if c.StatementTimeout != nil {
-		s.stmtTimeout = *c.StatementTimeout
-	}
-	if c.Retries != nil {
-		s.retries = *c.Retries
-	}
-	if s.holder == "" {
-		s.holder = maintlock.NewHolderID()
-	}
-	if s.log == nil {
-		s.log = slog.New(slog.DiscardHandler)
-	}
-	return s, nil
+	return settings{
+		batchSize:   maintcfg.Or(c.BatchSize, DefaultBatchSize),
+		sleep:       maintcfg.Or(c.Sleep, DefaultSleep),
+		maxDuration: c.MaxDuration,
+		lockTTL:     maintcfg.Or(c.LockTTL, 0), // 0: the database's default
+		lockTimeout: maintcfg.Or(c.LockTimeout, DefaultLockTimeout),
+		stmtTimeout: maintcfg.Or(c.StatementTimeout, DefaultStatementTimeout),
+		retries:     maintcfg.Or(c.Retries, DefaultRetries),
+		dryRun:      c.DryRun,
+		holder:      cmp.Or(c.Holder, maintlock.NewHolderID()),
+		log:         cmp.Or(c.Logger, slog.New(slog.DiscardHandler)),
+		progress:    c.Progress,
+	}, nil
 }
 
 // Run prunes expired rows from pool's database: the steps of CALL
