@@ -331,6 +331,10 @@ func TestUpgradeTo6(t *testing.T) {
 	if err := conn.QueryRowContext(ctx, `SELECT count(*) FROM idem.partitions_to_retire()`).Scan(&retire); err != nil || retire != 2 {
 		t.Fatalf("idem.partitions_to_retire() as the maintainer: %d %v (want the two past months)", retire, err)
 	}
+	var months int
+	if err := conn.QueryRowContext(ctx, `SELECT count(*) FROM idem.partition_months()`).Scan(&months); err != nil || months < 5 {
+		t.Fatalf("idem.partition_months() as the maintainer: %d %v", months, err)
+	}
 	_, _ = conn.ExecContext(ctx, `RESET ROLE`)
 	conn.Close()
 	var gone, slots, dups int

@@ -136,6 +136,47 @@ func (q *Queries) MonthsToCreate(ctx context.Context, premake int32) ([]pgtype.D
 	return items, nil
 }
 
+const partitionMonths = `-- name: PartitionMonths :many
+SELECT p.partition::text      AS name,
+       p.is_default::boolean  AS is_default,
+       p.month_from::date     AS month_from,
+       p.month_to::date       AS month_to
+  FROM idem.partition_months() AS p
+`
+
+type PartitionMonthsRow struct {
+	Name      string
+	IsDefault bool
+	MonthFrom pgtype.Date
+	MonthTo   pgtype.Date
+}
+
+// The partitions and their months, from the catalog only (no row counts).
+func (q *Queries) PartitionMonths(ctx context.Context) ([]PartitionMonthsRow, error) {
+	rows, err := q.db.Query(ctx, partitionMonths)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []PartitionMonthsRow
+	for rows.Next() {
+		var i PartitionMonthsRow
+		if err := rows.Scan(
+			&i.Name,
+			&i.IsDefault,
+			&i.MonthFrom,
+			&i.MonthTo,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const partitionsToRetire = `-- name: PartitionsToRetire :many
 SELECT p::text AS name FROM idem.partitions_to_retire() AS p
 `

@@ -81,7 +81,8 @@ $$;
 -- +goose StatementBegin
 -- The partitions of processed_events and their month ranges, read from the
 -- catalog only (the default partition has NULL bounds): what prune and
--- rotation walk, and what idem.partitions() describes.
+-- rotation walk, what idem.partitions() describes, and what idemctl's
+-- check and /metrics read (without idem.partitions()' row counts).
 CREATE FUNCTION idem.partition_months()
 RETURNS TABLE (partition regclass, is_default boolean, month_from date, month_to date)
     LANGUAGE sql STABLE
@@ -382,6 +383,7 @@ BEGIN
         idem.release_lock(text, text),
         idem.prune_batch(text, integer),
         idem.prunable_rows(),
+        idem.partition_months(),
         idem.partitions_to_retire(),
         idem.compact_duplicate_counts() TO %s', role);
     EXECUTE format('GRANT EXECUTE ON PROCEDURE idem.prune(integer, integer), idem.rotate(integer, boolean, interval) TO %s', role);
@@ -401,7 +403,7 @@ BEGIN
                FROM pg_catalog.pg_proc p, pg_catalog.aclexplode(p.proacl) a
               WHERE p.oid = 'idem.prunable_rows()'::regprocedure
                 AND a.privilege_type = 'EXECUTE' AND a.grantee <> 0 AND a.grantee <> p.proowner LOOP
-        EXECUTE format('GRANT EXECUTE ON FUNCTION idem.partitions_to_retire() TO %s', r.role);
+        EXECUTE format('GRANT EXECUTE ON FUNCTION idem.partition_months(), idem.partitions_to_retire() TO %s', r.role);
     END LOOP;
 END
 $$;

@@ -29,6 +29,14 @@ SELECT p.partition::text                 AS name,
        p.total_bytes::bigint             AS total_bytes
   FROM idem.partitions() AS p;
 
+-- name: PartitionMonths :many
+-- The partitions and their months, from the catalog only (no row counts).
+SELECT p.partition::text      AS name,
+       p.is_default::boolean  AS is_default,
+       p.month_from::date     AS month_from,
+       p.month_to::date       AS month_to
+  FROM idem.partition_months() AS p;
+
 -- name: MonthsToCreate :many
 SELECT m::date AS month FROM idem.months_to_create(sqlc.arg(premake)::integer) AS m;
 
