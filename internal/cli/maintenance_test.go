@@ -83,14 +83,10 @@ func TestZeroIsHonoured(t *testing.T) {
 		if _, err := long.Exec(ctx, `SELECT count(*) FROM idem.processed_events`); err != nil {
 			t.Fatal(err)
 		}
-		start := time.Now()
 		r := idemctl(t, ctx, nil, "partitions", "rotate", "--database-url", url, "--premake", "1",
 			"--retries", "0", "--backoff", "0", "--lock-timeout", "100ms")
 		if r.code != ExitError || !strings.Contains(r.out, "after 1 tries") {
 			t.Fatalf("rotate --retries 0: %+v", r)
-		}
-		if d := time.Since(start); d > 30*time.Second {
-			t.Fatalf("rotate --retries 0 took %s", d)
 		}
 	})
 	t.Run("sleep 0", func(t *testing.T) {

@@ -118,7 +118,7 @@ func (c Config) settings() (settings, error) {
 	if err := c.Validate(); err != nil {
 		return settings{}, err
 	}
-	return settings{
+	s := settings{
 		premake:      maintcfg.Or(c.Premake, DefaultPremake),
 		keepDetached: c.KeepDetached,
 		lockTimeout:  maintcfg.Or(c.LockTimeout, DefaultLockTimeout),
@@ -126,9 +126,13 @@ func (c Config) settings() (settings, error) {
 		retries:      maintcfg.Or(c.Retries, DefaultRetries),
 		backoff:      maintcfg.Or(c.Backoff, DefaultBackoff),
 		lockTTL:      maintcfg.Or(c.LockTTL, 0), // 0: the database's default
-		holder:       cmp.Or(c.Holder, maintlock.NewHolderID()),
+		holder:       c.Holder,
 		log:          cmp.Or(c.Logger, slog.New(slog.DiscardHandler)),
-	}, nil
+	}
+	if s.holder == "" {
+		s.holder = maintlock.NewHolderID()
+	}
+	return s, nil
 }
 
 // Step is one thing rotation did or tried.

@@ -169,7 +169,7 @@ func (c Config) settings() (settings, error) {
 	if err := c.Validate(); err != nil {
 		return settings{}, err
 	}
-	return settings{
+	s := settings{
 		batchSize:   maintcfg.Or(c.BatchSize, DefaultBatchSize),
 		sleep:       maintcfg.Or(c.Sleep, DefaultSleep),
 		maxDuration: c.MaxDuration,
@@ -178,10 +178,14 @@ func (c Config) settings() (settings, error) {
 		stmtTimeout: maintcfg.Or(c.StatementTimeout, DefaultStatementTimeout),
 		retries:     maintcfg.Or(c.Retries, DefaultRetries),
 		dryRun:      c.DryRun,
-		holder:      cmp.Or(c.Holder, maintlock.NewHolderID()),
+		holder:      c.Holder,
 		log:         cmp.Or(c.Logger, slog.New(slog.DiscardHandler)),
 		progress:    c.Progress,
-	}, nil
+	}
+	if s.holder == "" {
+		s.holder = maintlock.NewHolderID()
+	}
+	return s, nil
 }
 
 // Run prunes expired rows from pool's database: the steps of CALL
