@@ -49,6 +49,9 @@ type Result struct {
 // the *Result carries the claim, whose LeaseRemaining says when to retry),
 // ErrMismatch, and *FailedError (errors.Is ErrFailed).
 //
+// fn's context carries the claim (EventFrom), so that the side effects fn
+// runs with Effect belong to this key.
+//
 // On a pool-backed client, Do extends the lease while fn runs, until fn
 // returns even if ctx is cancelled (fn may ignore its context; its lease
 // must not lapse while it still runs), and cancels fn's context with
@@ -85,7 +88,7 @@ func (c *Client) Do(ctx context.Context, source, key string, fn func(ctx context
 	workCtx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	stop := c.heartbeat(workCtx, cancel, cl, sent)
-	value, runErr := run(workCtx, fn)
+	value, runErr := run(WithEvent(workCtx, cl), fn)
 	stop()
 	if runErr != nil && errors.Is(context.Cause(workCtx), ErrLeaseLost) {
 		runErr = leaseLost(runErr)

@@ -134,3 +134,74 @@ func ExampleHashKey() {
 	// true 64
 	// true false
 }
+
+// Side effects inside an event's work: the receipt email runs once however
+// often the event's work runs, and a re-run gets the stored result of the
+// charge instead of charging again.
+func ExampleClient_Effect() {
+	ctx := context.Background()
+	pool, done := examplePool()
+	defer done()
+	c := idem.New(pool, nil)
+
+	for run := 1; run <= 3; run++ {
+		_, err := c.Do(ctx, "stripe", "evt_1Q", func(ctx context.Context) (any, error) {
+			charge, err := idem.EffectValue(ctx, c, "charge", func(ctx context.Context) (string, error) {
+				fmt.Println("  charging the card")
+				return "ch_3MmlLr", nil
+			})
+			if err != nil {
+				return nil, err
+			}
+			if _, err := c.Effect(ctx, "send_receipt", func(ctx context.Context) (any, error) {
+				fmt.Println("  emailing the receipt for", charge)
+				return nil, nil
+			}); err != nil {
+				return nil, err
+			}
+			if run < 3 {
+				return nil, errors.New("booking failed; the sender will retry")
+			}
+			fmt.Println("  booked", charge)
+			return charge, nil
+		})
+		fmt.Printf("run %d: err=%v\n", run, err)
+	}
+	// Output:
+	//   charging the card
+	//   emailing the receipt for ch_3MmlLr
+	// run 1: err=booking failed; the sender will retry
+	// run 2: err=booking failed; the sender will retry
+	//   booked ch_3MmlLr
+	// run 3: err=<nil>
+}
+
+// The key of an outbound call is derived from the event, the effect and
+// the call, never from the attempt: a retry after a crash sends the same
+// key, and the provider answers it without charging twice.
+func ExampleEffect_OutboundKey() {
+	ctx := context.Background()
+	pool, done := examplePool()
+	defer done()
+	c := idem.New(pool, nil)
+
+	ev, err := c.Claim(ctx, "stripe", "evt_1Q")
+	if err != nil {
+		log.Fatal(err)
+	}
+	_, err = c.Effect(idem.WithEvent(ctx, ev), "charge", func(ctx context.Context) (any, error) {
+		eff, _ := idem.EffectFrom(ctx)
+		fmt.Println("effect", eff.Name, "attempt", eff.Attempt, "key", eff.Key)
+		fmt.Println("Idempotency-Key:", eff.OutboundKey("POST /v1/charges"))
+		return nil, nil
+	})
+	if err != nil {
+		log.Fatal(err)
+	}
+	// The same key, computed anywhere, any time:
+	fmt.Println("Idempotency-Key:", idem.Effect{EventSource: "stripe", EventKey: "evt_1Q", Name: "charge"}.OutboundKey("POST /v1/charges"))
+	// Output:
+	// effect charge attempt 1 key charge/evt_1Q
+	// Idempotency-Key: 1eb32150bed823ca383130c8b5add38723af507058a6f0d1d608837f063d052d
+	// Idempotency-Key: 1eb32150bed823ca383130c8b5add38723af507058a6f0d1d608837f063d052d
+}
