@@ -1,0 +1,155 @@
+package idemhttp
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"slices"
+	"strings"
+
+	"github.com/idemkit/idem"
+)
+
+// Outbound calls. A write to another company's API (a charge, a transfer,
+// an email through a mail API) made inside an idem effect is sent with the
+// effect's deterministic key, so the other side deduplicates our own
+// retries: the same event and effect send the same Idempotency-Key on
+// every attempt, also after a crash between their call and our record of
+// it (the window an effect alone cannot close; docs/effects.md).
+
+// Defaults of TransportConfig.
+const DefaultKeyHeader = "Idempotency-Key"
+
+// DefaultKeyMethods are the methods keyed by default: the non-idempotent
+// ones of the IETF Idempotency-Key draft.
+var DefaultKeyMethods = []string{http.MethodPost, http.MethodPatch}
+
+var (
+	// ErrNoEffect: a write (a keyed method) was sent with a context that
+	// carries no idem effect and no key of its own. Make the call inside
+	// Client.Effect, set the header yourself, or set
+	// TransportConfig.AllowUnkeyed.
+	ErrNoEffect = errors.New("idemhttp: outbound write outside an idem effect, with no idempotency key")
+	// ErrInvalidTransport: a TransportConfig field is out of range.
+	ErrInvalidTransport = errors.New("idemhttp: invalid transport config")
+)
+
+// TransportConfig configures NewTransport. The zero value is valid.
+type TransportConfig struct {
+	// Header is the request header that carries the key. Default
+	// "Idempotency-Key" (Stripe, Adyen, the IETF draft); PayPal reads
+	// "PayPal-Request-Id". A request that already has it is sent as is.
+	Header string
+	// Methods are the methods keyed. Default POST and PATCH.
+	Methods []string
+	// Namespace is mixed into every key: set it when two applications (or
+	// environments) run effects of the same name for the same events
+	// against one account of the same provider. Default none.
+	Namespace string
+	// AllowUnkeyed sends a write that is outside any effect without a key,
+	// instead of failing it with ErrNoEffect. Default false: a write meant
+	// to be keyed that is not is a bug worth hearing about.
+	AllowUnkeyed bool
+}
+
+// Transport is an http.RoundTripper that sets the idempotency key of
+// outbound writes from the idem effect in the request's context
+// (idem.EffectFrom): Effect.OutboundKey of the call's label, which is its
+// method and URL path unless WithOutboundLabel gives another. It never
+// modifies the caller's request.
+type Transport struct {
+	base      http.RoundTripper
+	header    string
+	methods   []string
+	namespace string
+	unkeyed   bool
+}
+
+// NewTransport returns a Transport over base (http.DefaultTransport when
+// nil), or an error matching ErrInvalidTransport.
+func NewTransport(base http.RoundTripper, cfg *TransportConfig) (*Transport, error) {
+	var c TransportConfig
+	if cfg != nil {
+		c = *cfg
+	}
+	if base == nil {
+		base = http.DefaultTransport
+	}
+	t := &Transport{base: base, header: DefaultKeyHeader, methods: DefaultKeyMethods, namespace: c.Namespace, unkeyed: c.AllowUnkeyed}
+	if c.Header != "" {
+		if !isToken(c.Header) {
+			return nil, fmt.Errorf("%w: Header %q is not an HTTP header name", ErrInvalidTransport, c.Header)
+		}
+		t.header = http.CanonicalHeaderKey(c.Header)
+	}
+	if c.Methods != nil {
+		if len(c.Methods) == 0 {
+			return nil, fmt.Errorf("%w: Methods is empty (nil for the default POST, PATCH)", ErrInvalidTransport)
+		}
+		for _, m := range c.Methods {
+			if !isToken(m) || m != strings.ToUpper(m) {
+				return nil, fmt.Errorf("%w: method %q is not an upper-case HTTP method", ErrInvalidTransport, m)
+			}
+		}
+		t.methods = slices.Clone(c.Methods)
+	}
+	return t, nil
+}
+
+type labelCtxKey struct{}
+
+// WithOutboundLabel labels the outbound calls made with ctx, for their
+// key: two writes to the same path inside one effect need two labels.
+func WithOutboundLabel(ctx context.Context, label string) context.Context {
+	return context.WithValue(ctx, labelCtxKey{}, label)
+}
+
+// RoundTrip implements http.RoundTripper.
+func (t *Transport) RoundTrip(r *http.Request) (*http.Response, error) {
+	if !slices.Contains(t.methods, r.Method) || r.Header.Get(t.header) != "" {
+		return t.base.RoundTrip(r)
+	}
+	eff, ok := idem.EffectFrom(r.Context())
+	if !ok {
+		if t.unkeyed {
+			return t.base.RoundTrip(r)
+		}
+		closeBody(r)
+		return nil, fmt.Errorf("%w: %s %s (call it inside Client.Effect)", ErrNoEffect, r.Method, r.URL.Redacted())
+	}
+	label, ok := r.Context().Value(labelCtxKey{}).(string)
+	if !ok {
+		label = r.Method + " " + r.URL.EscapedPath()
+	}
+	if t.namespace != "" {
+		label = t.namespace + "\x00" + label
+	}
+	r2 := r.Clone(r.Context())
+	r2.Header.Set(t.header, eff.OutboundKey(label))
+	return t.base.RoundTrip(r2)
+}
+
+// closeBody honours RoundTrip's contract: the body is closed, even on error.
+func closeBody(r *http.Request) {
+	if r.Body != nil {
+		_ = r.Body.Close()
+	}
+}
+
+// isToken reports whether s is an RFC 9110 token (a header or method name).
+func isToken(s string) bool {
+	if s == "" {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		ch := s[i]
+		if ch >= 'a' && ch <= 'z' || ch >= 'A' && ch <= 'Z' || ch >= '0' && ch <= '9' {
+			continue
+		}
+		if !strings.ContainsRune("!#$%&'*+-.^_`|~", rune(ch)) {
+			return false
+		}
+	}
+	return true
+}
