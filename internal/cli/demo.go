@@ -117,7 +117,7 @@ func runDemo(ctx context.Context, io IO, g *globals, args []string) error {
 	if err != nil {
 		return fmt.Errorf("prune: %w", err)
 	}
-	fmt.Fprintf(io.Out, "  prune: %d expired rows deleted (the demo's keys are kept 30 days)\n\n", pr.Deleted)
+	fmt.Fprintf(io.Out, "  prune: %d expired rows deleted (the demo's keys are kept %d days)\n\n", pr.Deleted, int(demo.KeyTTL.Hours()/24))
 	if err := runStats(ctx, io, &globals{}, []string{"--database-url", pool.Config().ConnString()}); err != nil {
 		return fmt.Errorf("stats: %w", err)
 	}

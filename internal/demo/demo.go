@@ -412,7 +412,7 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config, log *slog.Logger) 
 	if cfg.CrossMonth != nil {
 		var month time.Time
 		var attempts int
-		err := pool.QueryRow(ctx, `SELECT first_seen_month, attempts FROM idem.processed_events WHERE source = 'stripe' AND key = $1`, events[0].id).Scan(&month, &attempts)
+		err := pool.QueryRow(ctx, `SELECT first_seen_month, attempts FROM idem.processed_events WHERE source = 'stripe' AND key = $1 AND expires_at > now()`, events[0].id).Scan(&month, &attempts)
 		ok := err == nil && month.Month() != time.Now().UTC().Month()
 		rep.CrossMonth = fmt.Sprintf("key in the %s partition (%d attempt(s), all last month), %d redeliveries this month replayed",
 			month.Format("2006-01"), attempts, cfg.Deliveries)

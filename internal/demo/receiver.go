@@ -44,6 +44,12 @@ type stripeEvent struct {
 	} `json:"data"`
 }
 
+// KeyTTL is how long the demo keeps its event keys: longer than a month, so
+// that the event first seen at the end of last month is still known
+// whatever the day of this month (the Stripe preset's own 7 days would
+// forget it from the 8th on, and rightly run it again as a new event).
+const KeyTTL = 40 * 24 * time.Hour
+
 type receiver struct {
 	pool     *pgxpool.Pool
 	idem     *idem.Client
@@ -58,7 +64,7 @@ type receiver struct {
 // answer to every duplicate; anything else releases the key for Stripe's
 // retry.
 func (rc *receiver) handler(secret string, obs idemhttp.Observer, log *slog.Logger) (http.Handler, error) {
-	mw, err := idemhttp.New(idemhttp.Config{Client: rc.idem, Observer: obs, Logger: log}.Apply(idemhttp.Stripe(secret)))
+	mw, err := idemhttp.New(idemhttp.Config{Client: rc.idem, Observer: obs, Logger: log, TTL: KeyTTL}.Apply(idemhttp.Stripe(secret)))
 	if err != nil {
 		return nil, err
 	}
@@ -90,12 +96,12 @@ func (rc *receiver) serve(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, "database unavailable", http.StatusServiceUnavailable)
 		return
 	}
-	// The email cannot be taken back: a key of its own, so a rerun of this
-	// handler (after the email failed) sends it at most once.
-	if _, err := rc.idem.Do(ctx, "email", "receipt:"+inv.ID, func(ctx context.Context) (any, error) {
+	// The email cannot be taken back: an effect, run once per event, so a
+	// rerun of this handler (after the email failed) never sends it again.
+	if _, err := rc.idem.Effect(ctx, "send_receipt", func(ctx context.Context) (any, error) {
 		return nil, rc.mail.send("Receipt for " + inv.ID)
-	}); err != nil && !errors.Is(err, idem.ErrInProgress) {
-		http.Error(w, "email not sent yet", http.StatusInternalServerError)
+	}); err != nil {
+		http.Error(w, "email not sent yet", http.StatusServiceUnavailable)
 		return
 	}
 	w.Header().Set("Content-Type", "application/json")
