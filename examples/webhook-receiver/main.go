@@ -1,7 +1,8 @@
 // Command webhook-receiver serves the example Stripe receiver on $ADDR
 // (default :8080), verifying deliveries with $STRIPE_WEBHOOK_SECRET (the
 // endpoint's signing secret, "whsec_..."; several separated by commas
-// while one is rolled).
+// while one is rolled). It charges the platform fee at $PAYMENTS_URL and
+// mails receipts through $MAIL_URL (without them, an in-process stub).
 //
 //	DATABASE_URL=postgres://... STRIPE_WEBHOOK_SECRET=whsec_... go run ./examples/webhook-receiver
 package main
@@ -9,6 +10,7 @@ package main
 import (
 	"context"
 	"log"
+	"net"
 	"net/http"
 	"os"
 	"os/signal"
@@ -47,7 +49,11 @@ func main() {
 	if err := receiver.Setup(ctx, pool); err != nil {
 		log.Fatal(err)
 	}
-	rc := &receiver.Receiver{Pool: pool, Idem: idem.New(pool, nil), Mail: &receiver.StubMailer{}}
+	api, err := outbound()
+	if err != nil {
+		log.Fatal(err)
+	}
+	rc := &receiver.Receiver{Pool: pool, Idem: idem.New(pool, nil), API: api}
 	h, err := rc.Handler(nil, secrets...)
 	if err != nil {
 		log.Fatal(err)
@@ -65,4 +71,21 @@ func main() {
 	if err := srv.ListenAndServe(); err != nil && err != http.ErrServerClosed {
 		log.Fatal(err)
 	}
+}
+
+// outbound calls the payment provider at $PAYMENTS_URL and the mail API at
+// $MAIL_URL; without them, both are the in-process stub on a local port.
+func outbound() (*receiver.API, error) {
+	payments, mail := os.Getenv("PAYMENTS_URL"), os.Getenv("MAIL_URL")
+	if payments == "" || mail == "" {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, err
+		}
+		go func() { _ = http.Serve(ln, &receiver.Stub{}) }()
+		stub := "http://" + ln.Addr().String()
+		log.Printf("PAYMENTS_URL or MAIL_URL unset: calling the stub provider at %s", stub)
+		payments, mail = stub, stub
+	}
+	return receiver.NewAPI(payments, mail)
 }

@@ -1,18 +1,18 @@
 // Package receiver is a realistic Stripe webhook receiver built on idem:
 // idemhttp's Stripe preset verifies each delivery's signature, claims the
 // event id and replays the stored answer to every duplicate; the
-// invoice.paid handler behind it books the payment with an absolute upsert
-// and sends the receipt email behind an idem key of its own (sent once).
+// invoice.paid handler behind it books the payment with an absolute upsert,
+// then runs two side effects as idem effects, each once per event: it
+// charges the platform fee with the payment provider, whose request carries
+// the effect's deterministic Idempotency-Key, and emails the receipt.
 package receiver
 
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"log/slog"
 	"net/http"
-	"sync"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -34,17 +34,16 @@ type Event struct {
 	} `json:"data"`
 }
 
-// Mailer sends email. StubMailer records what it was asked to send.
-type Mailer interface {
-	Send(ctx context.Context, to, subject string) error
-}
-
-// Receiver handles invoice.paid events.
+// Receiver handles invoice.paid events: it books the payment, collects
+// the platform fee with the payment provider and emails the receipt.
 type Receiver struct {
 	Pool *pgxpool.Pool
 	Idem *idem.Client
-	Mail Mailer
+	API  *API // the payment provider and the mail API
 }
+
+// FeeCents is the platform fee collected on an invoice of amount cents: 2%.
+func FeeCents(amount int) int { return amount / 50 }
 
 // Schema creates the receiver's table.
 const Schema = `
@@ -73,7 +72,7 @@ func (rc *Receiver) Handler(log *slog.Logger, secrets ...string) (http.Handler, 
 // every duplicate with the stored 2xx, and runs this again only after a
 // non-2xx answer (the key is released and Stripe retries). Its context is
 // detached from Stripe's connection, so a sender that hangs up does not
-// stop a payment half-way.
+// stop a payment half-way, and it carries the event, for the effects.
 func (rc *Receiver) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	ctx := r.Context()
 	var ev Event
@@ -98,42 +97,29 @@ func (rc *Receiver) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 
-	// 2. The email can't be taken back, so it gets a key of its own: if the
-	//    send fails, the 500 makes Stripe redeliver, the payment above is
-	//    written again (the same), and the email is sent at most once.
-	_, err := rc.Idem.Do(ctx, "email", "receipt:"+inv.ID, func(ctx context.Context) (any, error) {
-		return nil, rc.Mail.Send(ctx, inv.Email, fmt.Sprintf("Receipt for %s", inv.ID))
+	// 2. The fee: an effect, run once per event and its charge id stored;
+	//    the call carries the effect's Idempotency-Key (idemhttp.Transport),
+	//    the same on every attempt, so a charge whose answer was lost is
+	//    answered by the provider on the retry instead of made twice.
+	charge, err := idem.EffectValue(ctx, rc.Idem, "charge_fee", func(ctx context.Context) (string, error) {
+		return rc.API.Charge(ctx, inv.Customer, FeeCents(inv.AmountPaid), inv.ID)
 	})
-	if err != nil && !errors.Is(err, idem.ErrInProgress) {
-		http.Error(w, "email not sent yet", http.StatusInternalServerError)
+	if err != nil {
+		http.Error(w, "fee not charged yet", http.StatusServiceUnavailable)
+		return
+	}
+
+	// 3. The receipt: an effect too, so a later failure re-running this
+	//    handler never mails again (also long after the mail API has
+	//    forgotten the key).
+	if _, err := rc.Idem.Effect(ctx, "send_receipt", func(ctx context.Context) (any, error) {
+		return rc.API.SendEmail(ctx, inv.Email, fmt.Sprintf("Receipt for %s (fee %s)", inv.ID, charge), inv.ID)
+	}); err != nil {
+		http.Error(w, "receipt not sent yet", http.StatusServiceUnavailable)
 		return
 	}
 	w.Header().Set("Content-Type", "application/json")
-	json.NewEncoder(w).Encode(map[string]any{"received": true, "invoice": inv.ID})
-}
-
-// StubMailer records sends instead of sending. FailFirst makes the first
-// send of a subject fail (a flaky SMTP relay).
-type StubMailer struct {
-	mu        sync.Mutex
-	Sent      map[string]int // subject -> times sent
-	FailFirst func(subject string) bool
-	failed    map[string]bool
-}
-
-// Send records the mail.
-func (m *StubMailer) Send(_ context.Context, to, subject string) error {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if m.Sent == nil {
-		m.Sent, m.failed = map[string]int{}, map[string]bool{}
-	}
-	if m.FailFirst != nil && m.FailFirst(subject) && !m.failed[subject] {
-		m.failed[subject] = true
-		return errors.New("smtp: 451 try again later")
-	}
-	m.Sent[subject]++
-	return nil
+	json.NewEncoder(w).Encode(map[string]any{"received": true, "invoice": inv.ID, "fee": charge})
 }
 
 // Setup creates the payments table.

@@ -3,15 +3,18 @@ package receiver_test
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stripe/stripe-go/v85/webhook"
 
 	"github.com/idemkit/idem"
@@ -19,7 +22,12 @@ import (
 	"github.com/idemkit/idem/internal/testdb"
 )
 
-func TestMain(m *testing.M) { testdb.Main(m) }
+func TestMain(m *testing.M) {
+	if os.Getenv(childEnv) != "" {
+		os.Exit(child())
+	}
+	testdb.Main(m)
+}
 
 const secret = "whsec_example_receiver"
 
@@ -30,12 +38,42 @@ func deliver(url string, body []byte, secret string, at time.Time) (*http.Respon
 	req.Header.Set("Content-Type", "application/json")
 	p := webhook.GenerateTestSignedPayload(&webhook.UnsignedPayload{Payload: body, Secret: secret, Timestamp: at})
 	req.Header.Set("Stripe-Signature", p.Header)
-	return http.DefaultClient.Do(req)
+	return sender.Do(req)
+}
+
+// sender is Stripe: it gives up on a delivery after 10 seconds.
+var sender = &http.Client{Timeout: 10 * time.Second}
+
+// world is the receiver's database and the stub providers it calls.
+type world struct {
+	url     string
+	stubURL string
+	pool    *pgxpool.Pool
+	stub    *receiver.Stub
+	api     *receiver.API
+}
+
+func newWorld(t *testing.T) *world {
+	t.Helper()
+	w := &world{url: testdb.New(t), stub: &receiver.Stub{}}
+	w.pool = testdb.Pool(t, w.url, 16)
+	if err := receiver.Setup(context.Background(), w.pool); err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(w.stub)
+	t.Cleanup(srv.Close)
+	api, err := receiver.NewAPI(srv.URL, srv.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.api, w.stubURL = api, srv.URL
+	return w
 }
 
 // serve runs the receiver behind idemhttp's Stripe preset.
-func serve(t *testing.T, rc *receiver.Receiver) *httptest.Server {
+func serve(t *testing.T, w *world) *httptest.Server {
 	t.Helper()
+	rc := &receiver.Receiver{Pool: w.pool, Idem: idem.New(w.pool, nil), API: w.api}
 	h, err := rc.Handler(nil, secret)
 	if err != nil {
 		t.Fatal(err)
@@ -45,16 +83,18 @@ func serve(t *testing.T, rc *receiver.Receiver) *httptest.Server {
 	return srv
 }
 
+func invoicePaid(n int) []byte {
+	return []byte(fmt.Sprintf(`{"id":"evt_%d","type":"invoice.paid","data":{"object":{"id":"in_%d","customer":"cus_%d","amount_paid":420000,"customer_email":"c%d@example.com"}}}`, n, n, n, n))
+}
+
 // TestForgedPaymentIsRefused: an invoice.paid signed with the wrong
 // secret, a stale one, and one with no signature book nothing and claim
 // nothing; the genuine delivery that follows books the payment once.
 func TestForgedPaymentIsRefused(t *testing.T) {
 	ctx := context.Background()
-	pool := testdb.Pool(t, testdb.New(t), 4)
-	if err := receiver.Setup(ctx, pool); err != nil {
-		t.Fatal(err)
-	}
-	srv := serve(t, &receiver.Receiver{Pool: pool, Idem: idem.New(pool, nil), Mail: &receiver.StubMailer{}})
+	w := newWorld(t)
+	pool := w.pool
+	srv := serve(t, w)
 	body := []byte(`{"id":"evt_f","type":"invoice.paid","data":{"object":{"id":"in_f","customer":"cus_f","amount_paid":100000,"customer_email":"f@example.com"}}}`)
 	for name, send := range map[string]func() (*http.Response, error){
 		"wrong secret": func() (*http.Response, error) { return deliver(srv.URL, body, "whsec_forger", time.Now()) },
@@ -88,17 +128,21 @@ func TestForgedPaymentIsRefused(t *testing.T) {
 }
 
 // TestReceiver: a Stripe event delivered 10 times at once books one
-// payment and sends one email, even when the email fails once (the 500
-// releases the key; a redelivery runs the handler again).
+// payment, charges one fee and sends one email, even when the mail API
+// fails once (the 503 releases the key; a redelivery runs the handler
+// again, which replays the fee's effect instead of charging again).
 func TestReceiver(t *testing.T) {
 	ctx := context.Background()
-	pool := testdb.Pool(t, testdb.New(t), 16)
-	if err := receiver.Setup(ctx, pool); err != nil {
-		t.Fatal(err)
+	w := newWorld(t)
+	var failed atomic.Bool
+	w.stub.Hook = func(path, key, invoice string, done bool) error {
+		if path == "/v1/emails" && !done && failed.CompareAndSwap(false, true) {
+			return errors.New("mail API: 451 try again later")
+		}
+		return nil
 	}
-	mail := &receiver.StubMailer{FailFirst: func(string) bool { return true }}
-	srv := serve(t, &receiver.Receiver{Pool: pool, Idem: idem.New(pool, nil), Mail: mail})
-	body := []byte(`{"id":"evt_1","type":"invoice.paid","data":{"object":{"id":"in_1","customer":"cus_1","amount_paid":4200,"customer_email":"a@example.com"}}}`)
+	srv := serve(t, w)
+	body := invoicePaid(1)
 	var wg sync.WaitGroup
 	for range 10 {
 		wg.Add(1)
@@ -121,11 +165,15 @@ func TestReceiver(t *testing.T) {
 	}
 	wg.Wait()
 	var payments, amount int
-	if err := pool.QueryRow(ctx, `SELECT count(*), sum(amount_cents) FROM payments`).Scan(&payments, &amount); err != nil {
+	if err := w.pool.QueryRow(ctx, `SELECT count(*), sum(amount_cents) FROM payments`).Scan(&payments, &amount); err != nil {
 		t.Fatal(err)
 	}
-	if payments != 1 || amount != 4200 || fmt.Sprint(mail.Sent) != "map[Receipt for in_1:1]" {
-		t.Fatalf("payments=%d amount=%d emails=%v", payments, amount, mail.Sent)
+	fees, mails := w.stub.Done("/v1/charges", "in_1"), w.stub.Done("/v1/emails", "in_1")
+	if payments != 1 || amount != 420000 || len(fees) != 1 || len(mails) != 1 || !failed.Load() {
+		t.Fatalf("payments=%d amount=%d fees=%v emails=%v (mail failed once: %v)", payments, amount, fees, mails, failed.Load())
+	}
+	if n := len(w.stub.Writes("/v1/charges", "in_1")); n != 1 {
+		t.Fatalf("the fee was requested %d times: the re-run did not replay the effect", n)
 	}
 }
 
