@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"runtime/debug"
+	"sync"
 	"time"
 )
 
@@ -265,4 +266,19 @@ func (c *Client) heartbeat(ctx context.Context, cancel context.CancelCauseFunc, 
 		}
 	}()
 	return func() { close(done); <-stopped }
+}
+
+// KeepLease keeps the lease of an acquired claim while work runs outside
+// Do (a queue worker that took the key over with Extend, say): it extends
+// the lease every lease*HeartbeatFraction, timed by this process's clock
+// from sent (when the request that granted cl.LeaseRemaining was sent),
+// and cancels the returned context with ErrLeaseLost (context.Cause) if
+// the lease is lost. The returned function stops it and waits; call it
+// before recording the outcome (it may be called again). On a client bound to a transaction, or
+// with the heartbeat turned off, it only carries ctx's cancellation.
+func (c *Client) KeepLease(ctx context.Context, cl *Claim, sent time.Time) (context.Context, func()) {
+	kctx, cancel := context.WithCancelCause(ctx)
+	stop := c.heartbeat(kctx, cancel, cl, sent)
+	var once sync.Once
+	return kctx, func() { once.Do(func() { stop(); cancel(nil) }) }
 }

@@ -123,6 +123,16 @@ type Config struct {
 	// Config.Observer. Default: none.
 	Observer Observer
 
+	// Async, when set, answers first and processes later: once the
+	// delivery is verified and keyed, it is handed to Async (package
+	// inbox: the key claimed and a River job inserted in one transaction)
+	// and answered 202 Accepted at once, as is every duplicate of an
+	// accepted delivery; the wrapped handler is not called (the inbox's
+	// worker runs the processing). A key reused with another payload is
+	// 422; a failure to accept is 503, so the sender retries. See
+	// docs/inbox.md.
+	Async Acceptor
+
 	sender    string // set by a webhook preset: its name
 	presetErr error  // a preset's bad secret
 }
@@ -295,6 +305,10 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 
 	if m.cfg.Scope != nil {
 		key = m.cfg.Scope(r) + "|" + key
+	}
+	if m.cfg.Async != nil {
+		return m.accept(w, r, &Delivery{Source: m.cfg.Source, Key: key, EventType: eventType,
+			Fingerprint: m.cfg.Fingerprint(r, body), Body: body, Header: r.Header.Clone()})
 	}
 	opts := []idem.ClaimOption{idem.WithFingerprint(m.cfg.Fingerprint(r, body))}
 	if eventType != "" {

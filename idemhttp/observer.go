@@ -6,7 +6,11 @@ type Answer string
 const (
 	// AnswerRan: the handler ran and its answer was sent (stored or not).
 	AnswerRan Answer = "ran"
-	// AnswerReplayed: a duplicate, answered with the stored answer.
+	// AnswerAccepted: asynchronous mode (Config.Async): the delivery was
+	// accepted for later processing (202).
+	AnswerAccepted Answer = "accepted"
+	// AnswerReplayed: a duplicate, answered with the stored answer (in
+	// asynchronous mode: a duplicate of an accepted delivery, 202).
 	AnswerReplayed Answer = "replayed"
 	// AnswerInProgress: a duplicate while the first is still running (409).
 	AnswerInProgress Answer = "in_progress"

@@ -53,6 +53,8 @@ const (
 	InvalidAuthorization  = "28000"
 	InvalidCatalogName    = "3D000" // database does not exist
 	InsufficientPrivilege = "42501"
+	UniqueViolation       = "23505" // a concurrent migrator inserted the same version
+	DuplicateTable        = "42P07" // a concurrent migrator created the same table
 )
 
 // Of returns err's SQLSTATE, or "" when err is not an error from the

@@ -1,0 +1,60 @@
+package idemhttp
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"net/http"
+
+	"github.com/idemkit/idem"
+)
+
+// Delivery is a verified, keyed delivery handed to an Acceptor.
+type Delivery struct {
+	Source, Key, EventType, Fingerprint string
+	Body                                []byte
+	Header                              http.Header
+}
+
+// Acceptor accepts deliveries for later processing (Config.Async). Package
+// inbox implements it on River; idemhttp does not import it, so River stays
+// out of the programs that do not use it.
+type Acceptor interface {
+	// AcceptDelivery makes the delivery durable and returns whether it
+	// was accepted before (a duplicate). It returns an error matching
+	// idem.ErrMismatch for a key seen with another fingerprint.
+	AcceptDelivery(ctx context.Context, d *Delivery) (duplicate bool, err error)
+}
+
+// accept is the asynchronous mode: accept, answer 202.
+func (m *middleware) accept(w http.ResponseWriter, r *http.Request, d *Delivery) Answer {
+	dup, err := m.cfg.Async.AcceptDelivery(r.Context(), d)
+	switch {
+	case err == nil:
+		w.Header().Set("Content-Type", "application/json")
+		answer := AnswerAccepted
+		if dup {
+			w.Header().Set("Idempotency-Replayed", "true")
+			answer = AnswerReplayed
+		}
+		w.WriteHeader(http.StatusAccepted)
+		if dup {
+			w.Write([]byte(`{"accepted":true,"duplicate":true}` + "\n"))
+		} else {
+			w.Write([]byte(`{"accepted":true}` + "\n"))
+		}
+		return answer
+	case errors.Is(err, idem.ErrMismatch):
+		problem(w, http.StatusUnprocessableEntity, "Idempotency key reused",
+			"This idempotency key was used with a different request payload.", nil)
+		return AnswerMismatch
+	case errors.Is(err, idem.ErrInvalidInput):
+		problem(w, http.StatusBadRequest, "Invalid idempotency key", err.Error(), nil)
+		return AnswerBadRequest
+	}
+	m.cfg.Logger.LogAttrs(r.Context(), slog.LevelError, "idemhttp: could not accept the delivery",
+		slog.String("source", d.Source), slog.String("key", d.Key), slog.Any("error", err))
+	problem(w, http.StatusServiceUnavailable, "Inbox unavailable",
+		"The delivery was not accepted; retry later.", map[string]string{"Retry-After": "5"})
+	return AnswerUnavailable
+}

@@ -1,0 +1,85 @@
+package inbox
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net/http"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/idem/idemhttp"
+)
+
+// AcceptDelivery implements idemhttp.Acceptor: idemhttp's asynchronous
+// mode (idemhttp.Config.Async) hands it each verified delivery.
+func (in *Inbox) AcceptDelivery(ctx context.Context, d *idemhttp.Delivery) (bool, error) {
+	a, err := in.Accept(ctx, &Delivery{Source: d.Source, Key: d.Key, EventType: d.EventType,
+		Fingerprint: d.Fingerprint, Payload: d.Body, Header: keep(d.Header), AcceptedAt: time.Now()})
+	return a.Duplicate, err
+}
+
+// keep drops the headers a handler has no use for and that should not be
+// stored (credentials, connection details), keeping the sender's own.
+func keep(h map[string][]string) map[string][]string {
+	out := make(map[string][]string)
+	for k, v := range h {
+		switch k {
+		case "Authorization", "Cookie", "Proxy-Authorization", "Connection", "Accept-Encoding", "Content-Length", "X-Forwarded-For":
+			continue
+		}
+		out[k] = v
+	}
+	return out
+}
+
+// FromHTTP runs an http.Handler as the inbox's Handler: the delivery is
+// replayed to it as the POST it arrived as (payload and kept headers), with
+// the delivery's context (its claim: idem.Client.Effect works inside). A
+// 2xx answer completes the event, storing its status; any other answer is
+// an error, retried with backoff. So the handler a synchronous idemhttp
+// middleware ran can run behind the inbox unchanged. It does not use tx:
+// the handler's writes commit on their own, as they did behind idemhttp.
+func FromHTTP(h http.Handler) Handler {
+	return func(ctx context.Context, _ pgx.Tx, d *Delivery) (any, error) {
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, "/", bytes.NewReader(d.Payload))
+		if err != nil {
+			return nil, err
+		}
+		for k, v := range d.Header {
+			req.Header[k] = v
+		}
+		rec := &response{header: http.Header{}}
+		h.ServeHTTP(rec, req)
+		status := rec.status
+		if status == 0 {
+			status = http.StatusOK
+		}
+		if status/100 != 2 {
+			return nil, fmt.Errorf("inbox: the handler answered %d: %s", status, bytes.TrimSpace(rec.body.Bytes()))
+		}
+		return map[string]int{"status": status}, nil
+	}
+}
+
+// response records a handler's status and the start of its body.
+type response struct {
+	header http.Header
+	status int
+	body   bytes.Buffer
+}
+
+func (r *response) Header() http.Header { return r.header }
+func (r *response) WriteHeader(s int) {
+	if r.status == 0 {
+		r.status = s
+	}
+}
+func (r *response) Write(b []byte) (int, error) {
+	r.WriteHeader(http.StatusOK)
+	if room := 4096 - r.body.Len(); room > 0 {
+		r.body.Write(b[:min(len(b), room)])
+	}
+	return len(b), nil
+}
