@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"text/tabwriter"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -30,6 +31,7 @@ func runDemo(ctx context.Context, io IO, g *globals, args []string) error {
 	fs.IntVar(&cfg.Deliveries, "deliveries", 4, "concurrent deliveries of each event")
 	fs.IntVar(&cfg.Workers, "workers", 16, "concurrent handlers")
 	keep := fs.Bool("keep", false, "keep the receiver's tables (schema idem_demo) afterwards")
+	timeouts := fs.Bool("timeouts", true, "also run the timeout storm: a 5s handler behind a sender that gives up after 2s, answered synchronously and then asynchronously (the inbox)")
 	if err := fs.parse(args); err != nil {
 		return err
 	}
@@ -97,6 +99,10 @@ func runDemo(ctx context.Context, io IO, g *globals, args []string) error {
 	if rep != nil {
 		rep.Print(io.Out)
 	}
+	tok := true
+	if err == nil && *timeouts {
+		tok, err = demoTimeouts(ctx, io, pool, quiet)
+	}
 	if !*keep {
 		if _, derr := pool.Exec(context.WithoutCancel(ctx), "DROP SCHEMA IF EXISTS "+pgx.Identifier{demoSchema}.Sanitize()+" CASCADE"); derr != nil {
 			log.LogAttrs(ctx, slog.LevelWarn, "could not drop the demo schema", slog.Any("error", derr))
@@ -121,9 +127,46 @@ func runDemo(ctx context.Context, io IO, g *globals, args []string) error {
 	if err := runStats(ctx, io, &globals{}, []string{"--database-url", pool.Config().ConnString()}); err != nil {
 		return fmt.Errorf("stats: %w", err)
 	}
-	if !rep.OK() {
+	if !rep.OK() || !tok {
 		return errors.New("some checks failed")
 	}
 	fmt.Fprintln(io.Out, "\nall checks passed")
 	return nil
+}
+
+// demoTimeouts runs the timeout storm in both modes and prints what the
+// sender saw.
+func demoTimeouts(ctx context.Context, io IO, pool *pgxpool.Pool, log *slog.Logger) (bool, error) {
+	cfg := pool.Config().Copy()
+	cfg.MaxConns = 64 // the storm's accepts and the inbox's workers, at once
+	big, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return false, err
+	}
+	defer big.Close()
+	fmt.Fprintln(io.Out, "\ntimeouts: 20 events, each delivered twice at once to a handler that takes 5s; the sender gives up after 2s and retries")
+	var reps []*demo.TimeoutsReport
+	for _, async := range []bool{false, true} {
+		rep, err := demo.Timeouts(ctx, big, demo.TimeoutsConfig{Async: async}, log)
+		if err != nil {
+			return false, fmt.Errorf("timeout storm: %w", err)
+		}
+		reps = append(reps, rep)
+	}
+	tw := tabwriter.NewWriter(io.Out, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "  MODE\tREQUESTS\tTIMEOUTS\tRETRIES\tNON-2XX\tP50\tP99\tMAX\tPROCESSED ONCE\tTWICE+\tALL DONE AFTER")
+	for _, r := range reps {
+		fmt.Fprintf(tw, "  %s\t%d\t%d\t%d\t%d\t%s\t%s\t%s\t%d of %d\t%d\t%s\n", r.Mode, r.Requests, r.Timeouts, r.Retries, r.Non2xx,
+			r.P50.Round(100*time.Microsecond), r.P99.Round(100*time.Microsecond), r.Max.Round(100*time.Microsecond),
+			r.ProcessedOnce, r.Events, r.Repeat, r.Elapsed.Round(10*time.Millisecond))
+	}
+	tw.Flush()
+	sync, async := reps[0], reps[1]
+	ok := async.Timeouts == 0 && async.Retries == 0 && async.ProcessedOnce == async.Events && sync.ProcessedOnce == sync.Events
+	mark := map[bool]string{true: "PASS", false: "FAIL"}
+	fmt.Fprintf(io.Out, "  [%s] asynchronous: every delivery answered at once (p99 %s), no timeouts, each event processed once\n",
+		mark[async.Timeouts == 0 && async.Retries == 0 && async.ProcessedOnce == async.Events], async.P99.Round(100*time.Microsecond))
+	fmt.Fprintf(io.Out, "  [%s] synchronous: %d timeouts and %d retries, and still each event processed once (idem)\n",
+		mark[sync.ProcessedOnce == sync.Events], sync.Timeouts, sync.Retries)
+	return ok, nil
 }
