@@ -8,17 +8,20 @@ import (
 
 	"github.com/pressly/goose/v3"
 
+	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/migrate"
 )
 
 func init() {
-	register(command{name: "migrate", summary: "apply idem's migrations: up | down [--to N] | status | version", run: runMigrate})
+	register(command{name: "migrate", summary: "apply idem's migrations (and River's, for the inbox): up | down [--to N] | status | version", run: runMigrate})
 }
 
 func runMigrate(ctx context.Context, io IO, g *globals, args []string) error {
 	fs := newFlagSet("migrate", io, g)
 	to := fs.Int64("to", -1, "up: apply migrations up to this version; down: roll back to this version (0 removes everything but the schema)")
 	force := fs.Bool("force", false, "down: drop the stored keys too (a down to version 0 refuses while keys are stored)")
+	withRiver := fs.Bool("river", true, "up: also apply River's migrations (the inbox's queue; only the versions missing, safe next to an application's own River)")
+	riverSchema := fs.String("river-schema", "", "up: the schema of River's tables (default: the search_path, as River's own client)")
 	if len(args) > 0 && isHelp(args[0]) {
 		return subcommandHelp(io.Out, "migrate up [--to N] | down [--to N] [--force] | status | version [flags]", fs)
 	}
@@ -68,6 +71,17 @@ func runMigrate(ctx context.Context, io IO, g *globals, args []string) error {
 		}
 		if len(res) == 0 {
 			fmt.Fprintln(io.Out, "idem schema is up to date")
+		}
+		if *withRiver && *to < 0 {
+			versions, err := inbox.Migrate(ctx, pool, *riverSchema)
+			if err != nil {
+				return err
+			}
+			if len(versions) == 0 {
+				fmt.Fprintln(io.Out, "River schema is up to date")
+			} else {
+				fmt.Fprintf(io.Out, "applied River migrations %v\n", versions)
+			}
 		}
 	case "down":
 		target := *to

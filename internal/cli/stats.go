@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/idemkit/idem/db/pgxdb"
+	"github.com/idemkit/idem/inbox"
 )
 
 func init() {
@@ -33,12 +34,23 @@ type sourceStats struct {
 
 type statsOut struct {
 	Sources    []sourceStats   `json:"sources"`
+	Inbox      []inboxStats    `json:"inbox,omitempty"`
 	Partitions []partitionJSON `json:"partitions"`
+}
+
+// inboxStats counts a source's inbox jobs (River's table) by state.
+type inboxStats struct {
+	Source   string `json:"source"`
+	Queued   int64  `json:"queued"`
+	Running  int64  `json:"running"`
+	Retrying int64  `json:"retrying"`
+	Dead     int64  `json:"dead_lettered"`
 }
 
 func runStats(ctx context.Context, io IO, g *globals, args []string) error {
 	fs := newFlagSet("stats", io, g)
 	asJSON := fs.Bool("json", false, "print JSON")
+	riverSchema := fs.String("river-schema", "", "the schema of River's tables, for the inbox's counts (default: the search_path)")
 	if err := fs.parse(args); err != nil {
 		return err
 	}
@@ -72,6 +84,13 @@ func runStats(ctx context.Context, io IO, g *globals, args []string) error {
 		}
 		out.Sources = append(out.Sources, s)
 	}
+	ib, err := inbox.Stats(ctx, pool, *riverSchema)
+	if err != nil {
+		return err
+	}
+	for _, s := range ib {
+		out.Inbox = append(out.Inbox, inboxStats(s))
+	}
 	parts, err := q.ListPartitions(ctx)
 	if err != nil {
 		return err
@@ -99,6 +118,13 @@ func runStats(ctx context.Context, io IO, g *globals, args []string) error {
 		fmt.Fprintln(tw, "(no keys)")
 	}
 	fmt.Fprintln(tw)
+	if len(out.Inbox) > 0 {
+		fmt.Fprintln(tw, "INBOX SOURCE\tQUEUED\tRUNNING\tRETRYING\tDEAD-LETTERED")
+		for _, s := range out.Inbox {
+			fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\n", s.Source, s.Queued, s.Running, s.Retrying, s.Dead)
+		}
+		fmt.Fprintln(tw)
+	}
 	printPartitions(tw, out.Partitions)
 	return tw.Flush()
 }
