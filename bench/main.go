@@ -166,6 +166,7 @@ func run(ctx context.Context, o options) error {
 		{"maint", benchMaintenance},
 		{"retention", benchRetention},
 		{"scale", benchScale},
+		{"inbox", benchInbox},
 	}
 	for _, s := range sections {
 		if o.only != "" && !strings.Contains(s.name, o.only) {

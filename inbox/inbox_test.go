@@ -4,6 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"strings"
@@ -18,8 +21,10 @@ import (
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/riverqueue/river/rivermigrate"
 	"github.com/riverqueue/river/rivertype"
+	"github.com/stripe/stripe-go/v85/webhook"
 
 	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/idemhttp"
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/testdb"
 )
@@ -381,5 +386,76 @@ func TestRiverStaysOut(t *testing.T) {
 	}
 	if strings.Contains(string(out), "riverqueue") {
 		t.Fatal("River is in the import graph of a package that does not use the inbox")
+	}
+}
+
+// TestAsyncHTTP: idemhttp's asynchronous mode on the inbox, over real
+// HTTP: a verified delivery is answered 202 and queued; its duplicate 202
+// with Idempotency-Replayed; the same event id with another body 422; a
+// forged one 401. The worker runs the very http.Handler a synchronous
+// middleware would (inbox.FromHTTP), once, with the payload and the
+// sender's headers; a non-2xx answer from it is retried.
+func TestAsyncHTTP(t *testing.T) {
+	t.Parallel()
+	_, pool := setup(t)
+	var calls atomic.Int64
+	var mu sync.Mutex
+	var bodies []string
+	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		if calls.Add(1) == 1 {
+			http.Error(w, "ledger busy", http.StatusServiceUnavailable) // retried
+			return
+		}
+		mu.Lock()
+		bodies = append(bodies, string(b)+" signed:"+fmt.Sprint(r.Header.Get("Stripe-Signature") != ""))
+		mu.Unlock()
+		w.WriteHeader(http.StatusOK)
+	})
+	in, err := inbox.New(inbox.Config{Pool: pool, RetryPolicy: fast{}, Handler: inbox.FromHTTP(h)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mw, err := idemhttp.New(idemhttp.Config{Client: idem.New(pool, nil), Async: in}.Apply(idemhttp.Stripe("whsec_async")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(mw(http.NotFoundHandler()))
+	t.Cleanup(srv.Close)
+	post := func(body, secret string) *http.Response {
+		p := webhook.GenerateTestSignedPayload(&webhook.UnsignedPayload{Payload: []byte(body), Secret: secret, Timestamp: time.Now()})
+		req, _ := http.NewRequest("POST", srv.URL, strings.NewReader(body))
+		req.Header.Set("Stripe-Signature", p.Header)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp
+	}
+	body := `{"id":"evt_async","type":"invoice.paid","data":{"object":{}}}`
+	if r := post(body, "whsec_async"); r.StatusCode != 202 || r.Header.Get("Idempotency-Replayed") != "" {
+		t.Fatalf("first: %d %v", r.StatusCode, r.Header)
+	}
+	if r := post(body, "whsec_async"); r.StatusCode != 202 || r.Header.Get("Idempotency-Replayed") != "true" {
+		t.Fatalf("duplicate: %d %v", r.StatusCode, r.Header)
+	}
+	if r := post(`{"id":"evt_async","type":"invoice.paid","data":{"object":{"changed":1}}}`, "whsec_async"); r.StatusCode != 422 {
+		t.Fatalf("changed body: %d", r.StatusCode)
+	}
+	if r := post(`{"id":"evt_forged"}`, "whsec_forger"); r.StatusCode != 401 {
+		t.Fatalf("forged: %d", r.StatusCode)
+	}
+	start(t, in, 2, nil)
+	waitFor(t, "the event processed", func() bool {
+		return count(t, pool, `SELECT count(*) FROM idem.processed_events WHERE key = 'evt_async' AND status = 'completed'`) == 1
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	if calls.Load() != 2 || len(bodies) != 1 || bodies[0] != body+" signed:true" {
+		t.Fatalf("handler calls %d, bodies %q", calls.Load(), bodies)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM river_job`); n != 1 {
+		t.Fatalf("%d jobs, want 1", n)
 	}
 }
