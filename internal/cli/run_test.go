@@ -10,7 +10,6 @@ import (
 	"net/http/httptest"
 	"os/exec"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -41,24 +40,6 @@ func get(t *testing.T, url string) (int, string) {
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(resp.Body)
 	return resp.StatusCode, string(b)
-}
-
-// syncBuffer is a bytes.Buffer safe for the daemon's concurrent logging.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 // TestRunDaemon: with @every 1s schedules the daemon runs its jobs, never
@@ -96,7 +77,7 @@ func TestRunDaemon(t *testing.T) {
 	}
 	defer func() { testHook = nil }()
 
-	var out, errw syncBuffer
+	var out, errw testdb.Buffer
 	code := make(chan int, 1)
 	go func() {
 		code <- Main(ctx, []string{"run", "--database-url", url, "--listen", addr,
@@ -197,7 +178,7 @@ func TestRunOnceAtStart(t *testing.T) {
 	pool := testdb.Pool(t, url, 2)
 	seedRows(t, pool, "exp-", monthStart(time.Now(), 0), 50, true, false)
 	addr := freeAddr(t)
-	var out, errw syncBuffer
+	var out, errw testdb.Buffer
 	code := make(chan int, 1)
 	go func() {
 		code <- Main(ctx, []string{"run", "--database-url", url, "--listen", addr,
@@ -243,7 +224,7 @@ func TestHealthzRevealsNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pool.Close()
-	var logs syncBuffer
+	var logs testdb.Buffer
 	srv := httptest.NewServer(newMetrics(pool).handler(pool, slog.New(slog.NewTextHandler(&logs, nil))))
 	defer srv.Close()
 	status, body := get(t, srv.URL+"/healthz")

@@ -1,7 +1,6 @@
 package reliability
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -228,7 +227,7 @@ func TestRecordingFailures(t *testing.T) {
 			t.Fatalf("bouncer URL still sets an exec mode: %s", bouncer)
 		}
 		bp := testdb.Pool(t, bouncer, 24)
-		var logs syncBuffer
+		var logs testdb.Buffer
 		bc := idem.New(bp, &idem.Config{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 		var runs sync.Map
 		var wg sync.WaitGroup
@@ -390,22 +389,4 @@ func TestDuplicateBehindOpenTransaction(t *testing.T) {
 	if cl, err := c.Claim(ctx, "tx", "evt"); err != nil || cl.Outcome != idem.Completed {
 		t.Fatalf("after commit: %+v %v, want completed", cl, err)
 	}
-}
-
-// syncBuffer is a bytes.Buffer safe for concurrent logging.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }

@@ -2,7 +2,6 @@ package receiver_test
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -68,25 +67,8 @@ func child() int {
 type proc struct {
 	cmd    *exec.Cmd
 	url    string
-	stderr *syncBuffer
+	stderr *testdb.Buffer
 	once   sync.Once
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 func startChild(t *testing.T, w *world, stubURL string, clock time.Time) *proc {
@@ -94,7 +76,7 @@ func startChild(t *testing.T, w *world, stubURL string, clock time.Time) *proc {
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), childEnv+"=1", "CHILD_DATABASE_URL="+w.url, "CHILD_STUB_URL="+stubURL,
 		"CHILD_CLOCK="+clock.UTC().Format(time.RFC3339Nano))
-	p := &proc{cmd: cmd, stderr: &syncBuffer{}}
+	p := &proc{cmd: cmd, stderr: &testdb.Buffer{}}
 	cmd.Stderr = p.stderr
 	out, err := cmd.StdoutPipe()
 	if err != nil {
