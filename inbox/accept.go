@@ -42,17 +42,7 @@ func (in *Inbox) Accept(ctx context.Context, d *Delivery) (Acceptance, error) {
 // another fingerprint is idem.ErrMismatch. Answer the sender 2xx only
 // after tx commits.
 func (in *Inbox) AcceptTx(ctx context.Context, tx pgx.Tx, d *Delivery) (Acceptance, error) {
-	opts := []idem.ClaimOption{idem.WithLease(in.cfg.QueueLease)}
-	if d.Fingerprint != "" {
-		opts = append(opts, idem.WithFingerprint(d.Fingerprint))
-	}
-	if d.EventType != "" {
-		opts = append(opts, idem.WithEventType(d.EventType))
-	}
-	if in.cfg.TTL > 0 {
-		opts = append(opts, idem.WithTTL(in.cfg.TTL))
-	}
-	cl, err := in.idem.WithTx(tx).Claim(ctx, d.Source, d.Key, opts...)
+	cl, err := in.idem.WithTx(tx).Claim(ctx, d.Source, d.Key, in.claimOptions(d.Fingerprint, d.EventType)...)
 	if err != nil {
 		return Acceptance{}, err
 	}
@@ -75,6 +65,22 @@ func (in *Inbox) AcceptTx(ctx context.Context, tx pgx.Tx, d *Delivery) (Acceptan
 		return Acceptance{}, err
 	}
 	return Acceptance{Outcome: cl.Outcome, JobID: id}, nil
+}
+
+// claimOptions are the options of every claim the inbox makes, accepting
+// or replaying: the key is held for the queue.
+func (in *Inbox) claimOptions(fingerprint, eventType string) []idem.ClaimOption {
+	opts := []idem.ClaimOption{idem.WithLease(in.cfg.QueueLease)}
+	if fingerprint != "" {
+		opts = append(opts, idem.WithFingerprint(fingerprint))
+	}
+	if eventType != "" {
+		opts = append(opts, idem.WithEventType(eventType))
+	}
+	if in.cfg.TTL > 0 {
+		opts = append(opts, idem.WithTTL(in.cfg.TTL))
+	}
+	return opts
 }
 
 // insertJob inserts an inbox job in tx.

@@ -39,10 +39,6 @@ var deadStates = []rivertype.JobState{rivertype.JobStateDiscarded, rivertype.Job
 
 // DeadLetters lists dead-lettered events, oldest first.
 func (in *Inbox) DeadLetters(ctx context.Context, f Filter) ([]DeadLetter, error) {
-	return in.deadLetters(ctx, nil, f)
-}
-
-func (in *Inbox) deadLetters(ctx context.Context, tx pgx.Tx, f Filter) ([]DeadLetter, error) {
 	if f.Key != "" && f.Source == "" {
 		return nil, fmt.Errorf("%w: a key needs its source", ErrInvalidConfig)
 	}
@@ -63,13 +59,7 @@ func (in *Inbox) deadLetters(ctx context.Context, tx pgx.Tx, f Filter) ([]DeadLe
 	if !f.Since.IsZero() {
 		p = p.Where("finalized_at >= @since", river.NamedArgs{"since": f.Since})
 	}
-	var res *river.JobListResult
-	var err error
-	if tx != nil {
-		res, err = in.insert.JobListTx(ctx, tx, p)
-	} else {
-		res, err = in.insert.JobList(ctx, p)
-	}
+	res, err := in.insert.JobList(ctx, p)
 	if err != nil {
 		if sqlstate.Of(err) == sqlstate.UndefinedTable {
 			return nil, errNotMigrated
@@ -121,11 +111,7 @@ func (in *Inbox) Replay(ctx context.Context, f Filter) ([]ReplayResult, error) {
 	for _, d := range dead {
 		r := ReplayResult{DeadLetter: d}
 		err := pgx.BeginFunc(ctx, in.cfg.Pool, func(tx pgx.Tx) error {
-			opts := []idem.ClaimOption{idem.WithLease(in.cfg.QueueLease)}
-			if in.cfg.TTL > 0 {
-				opts = append(opts, idem.WithTTL(in.cfg.TTL))
-			}
-			cl, err := in.idem.WithTx(tx).Claim(ctx, d.Source, d.Key, opts...)
+			cl, err := in.idem.WithTx(tx).Claim(ctx, d.Source, d.Key, in.claimOptions("", d.EventType)...)
 			if err != nil {
 				return err
 			}
