@@ -175,7 +175,7 @@ func (c *Client) Effect(ctx context.Context, name string, fn func(ctx context.Co
 	if !ok {
 		return nil, &EffectError{Name: name, Err: ErrNoEvent}
 	}
-	fail := func(err error) error {
+	fail := func(err error) *EffectError {
 		return &EffectError{Name: name, EventSource: ev.Source, EventKey: ev.Key, Err: err}
 	}
 	if c.cfgErr != nil {
@@ -220,16 +220,18 @@ func (c *Client) Effect(ctx context.Context, name string, fn func(ctx context.Co
 		return v, err
 	}, copts...)
 	if err != nil {
-		e := &EffectError{Name: name, EventSource: ev.Source, EventKey: ev.Key, Err: err}
 		var f *FailedError
 		switch {
 		case errors.Is(err, ErrInDoubt):
 			// Found in doubt just now, and so recorded: answer as every
 			// later run will be answered.
-			e.Err, e.inDoubt = &FailedError{Message: err.Error()}, true
-		case errors.As(err, &f):
-			e.inDoubt = strings.HasPrefix(f.Message, ErrInDoubt.Error()+":")
+			f = &FailedError{Message: err.Error()}
+			err = f
+		case !errors.As(err, &f):
+			return res, fail(err)
 		}
+		e := fail(err)
+		e.inDoubt = strings.HasPrefix(f.Message, ErrInDoubt.Error()+":")
 		return res, e
 	}
 	return res, nil
@@ -246,16 +248,19 @@ func EffectValue[T any](ctx context.Context, c *Client, name string, fn func(ctx
 	if err != nil {
 		return zero, err
 	}
+	fail := func(err error) (T, error) {
+		ev, _ := EventFrom(ctx) // Effect found it
+		return zero, &EffectError{Name: name, EventSource: ev.Source, EventKey: ev.Key, Err: err}
+	}
 	if res.Result == nil {
 		if res.NotStored != "" {
-			return zero, &EffectError{Name: name, EventSource: res.Claim.Source, EventKey: res.Claim.Key,
-				Err: fmt.Errorf("%w: %s", ErrResultNotStored, res.NotStored)}
+			return fail(fmt.Errorf("%w: %s", ErrResultNotStored, res.NotStored))
 		}
 		return zero, nil
 	}
 	var v T
 	if err := json.Unmarshal(res.Result, &v); err != nil {
-		return zero, &EffectError{Name: name, Err: fmt.Errorf("decode the stored result: %w", err)}
+		return fail(fmt.Errorf("decode the stored result: %w", err))
 	}
 	return v, nil
 }
