@@ -27,10 +27,10 @@ func TestTimeoutStorm(t *testing.T) {
 			}
 			t.Logf("%s: %d requests, %d timeouts, %d retries, %d non-2xx; p50 %v p99 %v max %v; %d of %d events processed once, %d more than once; all processed after %v",
 				rep.Mode, rep.Requests, rep.Timeouts, rep.Retries, rep.Non2xx, rep.P50, rep.P99, rep.Max, rep.ProcessedOnce, rep.Events, rep.Repeat, rep.Elapsed)
-			if rep.ProcessedOnce != rep.Events || rep.Repeat != 0 {
+			if !rep.OnceEach() {
 				t.Fatalf("%d of %d processed once, %d more than once", rep.ProcessedOnce, rep.Events, rep.Repeat)
 			}
-			if async && (rep.Timeouts != 0 || rep.Retries != 0 || rep.Non2xx != 0) {
+			if async && !rep.AsyncOK() {
 				t.Fatalf("asynchronous mode: %d timeouts, %d retries, %d non-2xx; want none", rep.Timeouts, rep.Retries, rep.Non2xx)
 			}
 			if !async && rep.Timeouts == 0 {
