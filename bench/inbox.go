@@ -34,21 +34,20 @@ func benchInbox(ctx context.Context, e *env, o options, t *table) error {
 	}
 	c := idem.New(e.pool, nil)
 	payload := []byte(`{"id":"evt_bench","type":"invoice.paid","data":{"object":{"amount_paid":4200}}}`)
-	for _, clients := range []int{8} {
-		accept := func(ctx context.Context, _ int, _ int64) error {
-			_, err := in.Accept(ctx, &inbox.Delivery{Source: "bench-inbox", Key: newKey(), Payload: payload})
-			return err
-		}
-		claim := func(ctx context.Context, _ int, _ int64) error {
-			_, err := c.Claim(ctx, "bench-sync", newKey())
-			return err
-		}
-		cmp, err := interleave(ctx, o.rounds, clients, o.duration, accept, claim)
-		if err != nil {
-			return err
-		}
-		t.throughputRow("inbox", fmt.Sprintf("accept (claim + InsertTx, one transaction) vs a synchronous claim, %d clients", clients), cmp, "information: the price of answering first")
+	const clients = 8
+	accept := func(ctx context.Context, _ int, _ int64) error {
+		_, err := in.Accept(ctx, &inbox.Delivery{Source: "bench-inbox", Key: newKey(), Payload: payload})
+		return err
 	}
+	claim := func(ctx context.Context, _ int, _ int64) error {
+		_, err := c.Claim(ctx, "bench-sync", newKey())
+		return err
+	}
+	cmp, err := interleave(ctx, o.rounds, clients, o.duration, accept, claim)
+	if err != nil {
+		return err
+	}
+	t.throughputRow("inbox", fmt.Sprintf("accept (claim + InsertTx, one transaction) vs a synchronous claim, %d clients", clients), cmp, "information: the price of answering first")
 	if _, err := e.pool.Exec(ctx, `DELETE FROM river_job WHERE queue = 'bench_inbox'`); err != nil {
 		return err
 	}
@@ -66,10 +65,8 @@ func benchInbox(ctx context.Context, e *env, o options, t *table) error {
 		if err != nil {
 			return err
 		}
-		idemRate, err := endToEnd(ctx, wc, n, func(ctx context.Context, i int) error {
-			_, err := in.Accept(ctx, &inbox.Delivery{Source: "bench-inbox", Key: newKey(), Payload: payload})
-			return err
-		}, func() int64 { return handled.Load() })
+		idemRate, err := endToEnd(ctx, wc, n, func(ctx context.Context, i int) error { return accept(ctx, i, 0) },
+			func() int64 { return handled.Load() })
 		if err != nil {
 			return err
 		}
