@@ -8,30 +8,14 @@ import (
 	"log"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
-
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/internal/testdb"
 )
 
-// examplePool opens a pool on a fresh database from the test harness. In an
-// application this is simply pgxpool.New(ctx, os.Getenv("DATABASE_URL")).
-func examplePool() (*pgxpool.Pool, func()) {
-	url, drop, err := testdb.Create()
-	if err != nil {
-		log.Fatal(err)
-	}
-	pool, err := pgxpool.New(context.Background(), url)
-	if err != nil {
-		log.Fatal(err)
-	}
-	return pool, func() { pool.Close(); _ = drop() }
-}
-
 // A webhook handler: the work runs once however often the event arrives.
 func ExampleClient_Do() {
 	ctx := context.Background()
-	pool, done := examplePool()
+	pool, done := testdb.ExamplePool()
 	defer done()
 	c := idem.New(pool, nil)
 
@@ -56,7 +40,7 @@ func ExampleClient_Do() {
 // duplicate sees at each point.
 func ExampleClient_Claim() {
 	ctx := context.Background()
-	pool, done := examplePool()
+	pool, done := testdb.ExamplePool()
 	defer done()
 	c := idem.New(pool, nil)
 
@@ -85,7 +69,7 @@ func ExampleClient_Claim() {
 // the business data, so both commit or neither does.
 func ExampleClient_WithTx() {
 	ctx := context.Background()
-	pool, done := examplePool()
+	pool, done := testdb.ExamplePool()
 	defer done()
 	if _, err := pool.Exec(ctx, `CREATE TABLE payments (event_id text PRIMARY KEY, amount int)`); err != nil {
 		log.Fatal(err)
@@ -140,7 +124,7 @@ func ExampleHashKey() {
 // charge instead of charging again.
 func ExampleClient_Effect() {
 	ctx := context.Background()
-	pool, done := examplePool()
+	pool, done := testdb.ExamplePool()
 	defer done()
 	c := idem.New(pool, nil)
 
@@ -181,7 +165,7 @@ func ExampleClient_Effect() {
 // key, and the provider answers it without charging twice.
 func ExampleEffect_OutboundKey() {
 	ctx := context.Background()
-	pool, done := examplePool()
+	pool, done := testdb.ExamplePool()
 	defer done()
 	c := idem.New(pool, nil)
 

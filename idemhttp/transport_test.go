@@ -12,8 +12,6 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/jackc/pgx/v5/pgxpool"
-
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/idemhttp"
 	"github.com/idemkit/idem/internal/testdb"
@@ -228,16 +226,8 @@ func TestInboundToOutbound(t *testing.T) {
 // from the provider's record of the key instead of charging again.
 func ExampleNewTransport() {
 	ctx := context.Background()
-	url, drop, err := testdb.Create()
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer drop()
-	pool, err := pgxpool.New(ctx, url)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer pool.Close()
+	pool, done := testdb.ExamplePool()
+	defer done()
 	c := idem.New(pool, nil)
 
 	p := &provider{dropFirst: true} // a Stripe-like API: it honours Idempotency-Key

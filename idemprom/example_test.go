@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"log"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/idemkit/idem"
@@ -17,16 +16,8 @@ import (
 // registry: one delivery and two duplicates of it.
 func ExampleNew() {
 	ctx := context.Background()
-	url, drop, err := testdb.Create() // in an application: os.Getenv("DATABASE_URL")
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer drop()
-	pool, err := pgxpool.New(ctx, url)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer pool.Close()
+	pool, done := testdb.ExamplePool() // in an application: pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	defer done()
 
 	reg := prometheus.NewRegistry() // or prometheus.DefaultRegisterer
 	metrics, err := idemprom.New(reg)

@@ -7,7 +7,6 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/db/pgxdb"
 	"github.com/idemkit/idem/internal/testdb"
@@ -22,16 +21,8 @@ func TestMain(m *testing.M) { testdb.Main(m) }
 // recorded with Fail releases the key for the next delivery.
 func Example() {
 	ctx := context.Background()
-	url, drop, err := testdb.Create() // in an application: os.Getenv("DATABASE_URL")
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer drop()
-	pool, err := pgxpool.New(ctx, url)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer pool.Close()
+	pool, done := testdb.ExamplePool() // in an application: pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	defer done()
 	if _, err := pool.Exec(ctx, `CREATE TABLE payments (invoice text PRIMARY KEY, cents int NOT NULL)`); err != nil {
 		log.Fatal(err)
 	}

@@ -7,7 +7,6 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/examples/sqlc-app/appdb"
 	"github.com/idemkit/idem/internal/testdb"
@@ -20,16 +19,8 @@ func TestMain(m *testing.M) { testdb.Main(m) }
 // once however many times the event is delivered.
 func Example() {
 	ctx := context.Background()
-	url, drop, err := testdb.Create() // in an application: os.Getenv("DATABASE_URL")
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer drop()
-	pool, err := pgxpool.New(ctx, url)
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer pool.Close()
+	pool, done := testdb.ExamplePool() // in an application: pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	defer done()
 	if _, err := pool.Exec(ctx, `CREATE TABLE orders (order_id text PRIMARY KEY, customer text NOT NULL, total_cents integer NOT NULL)`); err != nil {
 		log.Fatal(err)
 	}
