@@ -5,6 +5,7 @@ import (
 	"errors"
 	"log/slog"
 	"net/http"
+	"time"
 
 	"github.com/idemkit/idem"
 )
@@ -14,6 +15,10 @@ type Delivery struct {
 	Source, Key, EventType, Fingerprint string
 	Body                                []byte
 	Header                              http.Header
+	// TTL and Lease are Config.TTL and Config.Lease (a preset's, or 0 for
+	// the source's policy): the retention of the accepted key, and the
+	// lease of each attempt to process it, as in synchronous mode.
+	TTL, Lease time.Duration
 }
 
 // Acceptor accepts deliveries for later processing (Config.Async). Package

@@ -308,7 +308,8 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 	}
 	if m.cfg.Async != nil {
 		return m.accept(w, r, &Delivery{Source: m.cfg.Source, Key: key, EventType: eventType,
-			Fingerprint: m.cfg.Fingerprint(r, body), Body: body, Header: r.Header.Clone()})
+			Fingerprint: m.cfg.Fingerprint(r, body), Body: body, Header: r.Header.Clone(),
+			TTL: m.cfg.TTL, Lease: m.cfg.Lease})
 	}
 	opts := []idem.ClaimOption{idem.WithFingerprint(m.cfg.Fingerprint(r, body))}
 	if eventType != "" {

@@ -3,13 +3,16 @@ package inbox
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/rivertype"
 
 	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/db/pgxdb"
 )
 
 // Acceptance is what Accept decided.
@@ -35,14 +38,14 @@ func (in *Inbox) Accept(ctx context.Context, d *Delivery) (Acceptance, error) {
 	return a, err
 }
 
-// AcceptTx claims the delivery's key in tx, holding it for the queue
-// (Config.QueueLease), and, when the key is new, inserts its River job in
-// the same transaction: both commit, or neither. A key seen before is a
-// duplicate (Acceptance.Duplicate) and inserts nothing; a key seen with
-// another fingerprint is idem.ErrMismatch. Answer the sender 2xx only
-// after tx commits.
+// AcceptTx claims the delivery's key in tx and, when the key is new,
+// inserts its River job and holds the key for it, in the same transaction:
+// all commit, or none. A key seen before is a duplicate
+// (Acceptance.Duplicate) and inserts nothing; a key seen with another
+// fingerprint is idem.ErrMismatch. Answer the sender 2xx only after tx
+// commits.
 func (in *Inbox) AcceptTx(ctx context.Context, tx pgx.Tx, d *Delivery) (Acceptance, error) {
-	cl, err := in.idem.WithTx(tx).Claim(ctx, d.Source, d.Key, in.claimOptions(d.Fingerprint, d.EventType)...)
+	cl, err := in.idem.WithTx(tx).Claim(ctx, d.Source, d.Key, in.claimOptions(d.Fingerprint, d.EventType, d.TTL)...)
 	if err != nil {
 		return Acceptance{}, err
 	}
@@ -57,9 +60,9 @@ func (in *Inbox) AcceptTx(ctx context.Context, tx pgx.Tx, d *Delivery) (Acceptan
 	if accepted.IsZero() {
 		accepted = time.Now()
 	}
-	id, err := in.insertJob(ctx, tx, Job{
+	id, err := in.enqueue(ctx, tx, cl, Job{
 		Source: d.Source, Key: d.Key, EventType: d.EventType, Payload: d.Payload, Header: d.Header,
-		Token: cl.Token, FirstSeen: cl.FirstSeen, ExpiresAt: cl.ExpiresAt, AcceptedAt: accepted.UTC(),
+		AcceptedAt: accepted.UTC(), TTLMillis: d.TTL.Milliseconds(), LeaseMillis: d.Lease.Milliseconds(),
 	})
 	if err != nil {
 		return Acceptance{}, err
@@ -68,29 +71,55 @@ func (in *Inbox) AcceptTx(ctx context.Context, tx pgx.Tx, d *Delivery) (Acceptan
 }
 
 // claimOptions are the options of every claim the inbox makes, accepting
-// or replaying: the key is held for the queue.
-func (in *Inbox) claimOptions(fingerprint, eventType string) []idem.ClaimOption {
-	opts := []idem.ClaimOption{idem.WithLease(in.cfg.QueueLease)}
+// or replaying. The key is held for its job (idem.queue_hold), so its
+// lease while it waits does not matter: the claim takes the source's.
+func (in *Inbox) claimOptions(fingerprint, eventType string, ttl time.Duration) []idem.ClaimOption {
+	var opts []idem.ClaimOption
 	if fingerprint != "" {
 		opts = append(opts, idem.WithFingerprint(fingerprint))
 	}
 	if eventType != "" {
 		opts = append(opts, idem.WithEventType(eventType))
 	}
-	if in.cfg.TTL > 0 {
-		opts = append(opts, idem.WithTTL(in.cfg.TTL))
+	if ttl <= 0 {
+		ttl = in.cfg.TTL
+	}
+	if ttl > 0 {
+		opts = append(opts, idem.WithTTL(ttl))
 	}
 	return opts
 }
 
-// insertJob inserts an inbox job in tx.
-func (in *Inbox) insertJob(ctx context.Context, tx pgx.Tx, j Job) (int64, error) {
-	meta, _ := json.Marshal(map[string]string{"idem_source": j.Source, "idem_key": j.Key})
-	res, err := in.insert.InsertTx(ctx, tx, j, &river.InsertOpts{
-		Queue: in.cfg.Queue, MaxAttempts: in.maxAttempts(j.Source), Metadata: meta,
-	})
+// enqueue inserts the job of a key acquired in tx (cl) and holds the key
+// for it; a dead letter of the same key that the hold replaces (the event
+// accepted again, or replayed) is removed, in tx. Accept and Replay both
+// come here.
+func (in *Inbox) enqueue(ctx context.Context, tx pgx.Tx, cl *idem.Claim, j Job) (int64, error) {
+	j.Token, j.FirstSeen, j.ExpiresAt = cl.Token, cl.FirstSeen, cl.ExpiresAt
+	res, err := in.insert.InsertTx(ctx, tx, j, in.insertOpts(j.Source, j.Key))
 	if err != nil {
 		return 0, fmt.Errorf("inbox: enqueue %q/%q: %w", j.Source, j.Key, err)
 	}
+	dead, err := pgxdb.New(tx).QueueHold(ctx, pgxdb.QueueHoldParams{Source: j.Source, Key: j.Key, Token: j.Token, JobID: res.Job.ID})
+	if err != nil {
+		return 0, fmt.Errorf("inbox: hold %q/%q: %w", j.Source, j.Key, err)
+	}
+	if dead != 0 {
+		// A job River has not finalized yet (the dead letter was recorded
+		// a moment ago) is left: it is discarded as it ends, and no longer
+		// a dead letter, since its hold passed to the new job.
+		if _, err := in.insert.JobDeleteTx(ctx, tx, dead); err != nil && !errorsIsNotFound(err) && !errors.Is(err, rivertype.ErrJobRunning) {
+			return 0, fmt.Errorf("inbox: remove the dead letter (job %d) of %q/%q: %w", dead, j.Source, j.Key, err)
+		}
+	}
 	return res.Job.ID, nil
 }
+
+// insertOpts are the options of an inbox job's insert.
+func (in *Inbox) insertOpts(source, key string) *river.InsertOpts {
+	meta, _ := json.Marshal(map[string]string{"idem_source": source, "idem_key": key})
+	return &river.InsertOpts{Queue: in.cfg.Queue, MaxAttempts: in.maxAttempts(source), Metadata: meta}
+}
+
+// errorsIsNotFound: River has no such job (removed meanwhile).
+func errorsIsNotFound(err error) bool { return errors.Is(err, river.ErrNotFound) }

@@ -30,6 +30,9 @@ const childEnv = "INBOX_TEST_CHILD"
 // an effect (a keyed POST to CHILD_STUB) and then, with CHILD_HANG, hangs
 // "mid-job" until it is killed.
 func child() int {
+	if os.Getenv("CHILD_MODE") == "storm" {
+		return stormWorker()
+	}
 	ctx := context.Background()
 	pool, err := pgxpool.New(ctx, os.Getenv("CHILD_URL"))
 	if err != nil {

@@ -3,15 +3,15 @@ package inbox
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/riverqueue/river"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/riverqueue/river/rivertype"
 
 	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/db/pgxdb"
 	"github.com/idemkit/idem/internal/sqlstate"
 )
 
@@ -23,19 +23,26 @@ type Filter struct {
 	Limit  int       // at most this many (0: 1000)
 }
 
-// DeadLetter is an event whose job River discarded after its last attempt
-// (or cancelled, for an error marked idem.Permanent).
+// DeadLetter is an event whose job gave up on it: past its last attempt,
+// at once for an error marked idem.Permanent, or because its key or its
+// job was gone. idem keeps it (idem.holds) until it is replayed or the
+// sender delivers it again; its payload is in its River job.
 type DeadLetter struct {
 	JobID                  int64
 	Source, Key, EventType string
 	Attempts               int
-	LastError              string
-	AcceptedAt, FailedAt   time.Time
-	State                  rivertype.JobState // discarded or cancelled
-	job                    Job
+	// LastError is the reason it was dead-lettered: the handler's last
+	// error, or what was gone.
+	LastError            string
+	AcceptedAt, FailedAt time.Time
+	// State is the River job's (discarded, cancelled, ...), "" when the
+	// job is gone: then the payload is gone too (PayloadLost) and only the
+	// sender can deliver the event again.
+	State       rivertype.JobState
+	PayloadLost bool
+	token       int64
+	job         Job
 }
-
-var deadStates = []rivertype.JobState{rivertype.JobStateDiscarded, rivertype.JobStateCancelled}
 
 // DeadLetters lists dead-lettered events, oldest first.
 func (in *Inbox) DeadLetters(ctx context.Context, f Filter) ([]DeadLetter, error) {
@@ -46,39 +53,34 @@ func (in *Inbox) DeadLetters(ctx context.Context, f Filter) ([]DeadLetter, error
 	if limit <= 0 {
 		limit = 1000
 	}
-	p := river.NewJobListParams().Kinds(Kind).Queues(in.cfg.Queue).States(deadStates...).First(limit).
-		OrderBy(river.JobListOrderByID, river.SortOrderAsc)
-	if f.Source != "" {
-		meta := map[string]string{"idem_source": f.Source}
-		if f.Key != "" {
-			meta["idem_key"] = f.Key
-		}
-		b, _ := json.Marshal(meta)
-		p = p.Metadata(string(b))
+	since := f.Since
+	if since.IsZero() {
+		since = time.Unix(0, 0)
 	}
-	if !f.Since.IsZero() {
-		p = p.Where("finalized_at >= @since", river.NamedArgs{"since": f.Since})
-	}
-	res, err := in.insert.JobList(ctx, p)
+	holds, err := pgxdb.New(in.cfg.Pool).QueueDead(ctx, pgxdb.QueueDeadParams{Source: f.Source, Key: f.Key, Since: pgtype.Timestamptz{Time: since, Valid: true}, MaxRows: int32(limit)})
 	if err != nil {
-		if sqlstate.Of(err) == sqlstate.UndefinedTable {
-			return nil, errNotMigrated
-		}
 		return nil, fmt.Errorf("inbox: list dead letters: %w", err)
 	}
-	out := make([]DeadLetter, 0, len(res.Jobs))
-	for _, row := range res.Jobs {
-		var j Job
-		if err := json.Unmarshal(row.EncodedArgs, &j); err != nil {
-			return nil, fmt.Errorf("inbox: job %d: %w", row.ID, err)
+	out := make([]DeadLetter, 0, len(holds))
+	for _, h := range holds {
+		d := DeadLetter{JobID: h.JobID, Source: h.Source, Key: h.Key, LastError: h.Error, AcceptedAt: h.HeldAt.Time, token: h.Token, PayloadLost: true}
+		if h.DeadAt.Valid {
+			d.FailedAt = h.DeadAt.Time
 		}
-		d := DeadLetter{JobID: row.ID, Source: j.Source, Key: j.Key, EventType: j.EventType, Attempts: row.Attempt,
-			AcceptedAt: j.AcceptedAt, State: row.State, job: j}
-		if n := len(row.Errors); n > 0 {
-			d.LastError = row.Errors[n-1].Error
-		}
-		if row.FinalizedAt != nil {
-			d.FailedAt = *row.FinalizedAt
+		if h.JobID != 0 {
+			row, err := in.insert.JobGet(ctx, h.JobID)
+			switch {
+			case err == nil:
+				if err := json.Unmarshal(row.EncodedArgs, &d.job); err != nil {
+					return nil, fmt.Errorf("inbox: job %d: %w", row.ID, err)
+				}
+				d.EventType, d.Attempts, d.State, d.PayloadLost = d.job.EventType, row.Attempt, row.State, false
+				d.AcceptedAt = d.job.AcceptedAt
+			case sqlstate.Of(err) == sqlstate.UndefinedTable:
+				return nil, errNotMigrated
+			case !errorsIsNotFound(err):
+				return nil, fmt.Errorf("inbox: job %d: %w", h.JobID, err)
+			}
 		}
 		out = append(out, d)
 	}
@@ -91,8 +93,9 @@ type ReplayResult struct {
 	// Outcome: "replayed" (claimed again and a new job enqueued: NewJobID),
 	// "already processed" (the event's key is completed: nothing runs, and
 	// the dead letter is removed), "in progress" (a redelivery holds the
-	// key; left as it is), or "failed" (the key failed for good, e.g. past
-	// its policy's max_attempts; left as it is, with Error).
+	// key; left as it is), "failed" (the key failed for good, e.g. past
+	// its policy's max_attempts; left as it is, with Error), or "payload
+	// lost" (its job is gone: only the sender can deliver it again).
 	Outcome  string
 	NewJobID int64
 	Error    string
@@ -100,7 +103,7 @@ type ReplayResult struct {
 
 // Replay re-enqueues the dead letters f selects through the same claim as
 // a delivery: each key is claimed again and, when acquired, a new job with
-// the same payload replaces the dead one in one transaction. An event
+// the same payload replaces the dead one, in one transaction. An event
 // whose key is already completed is not run again.
 func (in *Inbox) Replay(ctx context.Context, f Filter) ([]ReplayResult, error) {
 	dead, err := in.DeadLetters(ctx, f)
@@ -110,33 +113,45 @@ func (in *Inbox) Replay(ctx context.Context, f Filter) ([]ReplayResult, error) {
 	out := make([]ReplayResult, 0, len(dead))
 	for _, d := range dead {
 		r := ReplayResult{DeadLetter: d}
+		if d.PayloadLost {
+			r.Outcome, r.Error = "payload lost", "the job and its payload are gone; have the sender deliver the event again"
+			out = append(out, r)
+			continue
+		}
 		err := pgx.BeginFunc(ctx, in.cfg.Pool, func(tx pgx.Tx) error {
-			cl, err := in.idem.WithTx(tx).Claim(ctx, d.Source, d.Key, in.claimOptions("", d.EventType)...)
+			j := d.job
+			p := pgxdb.QueueReplayParams{Source: d.Source, Key: d.Key, JobToken: d.token}
+			if ttl := j.TTLMillis; ttl > 0 {
+				p.TtlMs = &ttl
+			} else if in.cfg.TTL > 0 {
+				ms := in.cfg.TTL.Milliseconds()
+				p.TtlMs = &ms
+			}
+			cl, err := pgxdb.New(tx).QueueReplay(ctx, p)
 			if err != nil {
 				return err
 			}
-			switch cl.Outcome {
+			switch idem.Outcome(cl.Outcome) {
 			case idem.Acquired:
-				j := d.job
-				j.Token, j.FirstSeen, j.ExpiresAt = cl.Token, cl.FirstSeen, cl.ExpiresAt
-				if r.NewJobID, err = in.insertJob(ctx, tx, j); err != nil {
-					return err
-				}
+				r.NewJobID, err = in.enqueue(ctx, tx, &idem.Claim{Token: cl.Token, FirstSeen: cl.FirstSeen.Time, ExpiresAt: cl.ExpiresAt.Time}, j)
 				r.Outcome = "replayed"
+				return err
 			case idem.Completed:
 				r.Outcome = "already processed"
+				if _, err := pgxdb.New(tx).QueueForget(ctx, pgxdb.QueueForgetParams{Source: d.Source, Key: d.Key, JobToken: d.token}); err != nil {
+					return err
+				}
+				if _, err := in.insert.JobDeleteTx(ctx, tx, d.JobID); err != nil && !errorsIsNotFound(err) {
+					return err
+				}
 			case idem.InProgress:
 				r.Outcome = "in progress"
-				return nil
+			case "not_dead":
+				r.Outcome = "in progress" // replayed or redelivered meanwhile
 			default:
 				r.Outcome, r.Error = "failed", cl.Error
-				return nil
 			}
-			_, err = in.insert.JobDeleteTx(ctx, tx, d.JobID)
-			if errors.Is(err, river.ErrNotFound) {
-				err = nil // removed by someone else meanwhile
-			}
-			return err
+			return nil
 		})
 		if err != nil {
 			return out, fmt.Errorf("inbox: replay %q/%q (job %d): %w", d.Source, d.Key, d.JobID, err)
@@ -144,50 +159,4 @@ func (in *Inbox) Replay(ctx context.Context, f Filter) ([]ReplayResult, error) {
 		out = append(out, r)
 	}
 	return out, nil
-}
-
-// SourceStats counts a source's inbox jobs by state.
-type SourceStats struct {
-	Source                    string
-	Queued, Running, Retrying int64
-	Dead                      int64 // dead letters: discarded or cancelled
-}
-
-// Stats counts the inbox's jobs per source. Completed jobs are not
-// counted (River cleans them up after a day).
-func (in *Inbox) Stats(ctx context.Context) ([]SourceStats, error) {
-	return Stats(ctx, in.cfg.Pool, in.cfg.Schema)
-}
-
-// Stats counts inbox jobs per source in the River tables of schema (""
-// for the search_path); none when River is not migrated.
-func Stats(ctx context.Context, db interface {
-	Query(context.Context, string, ...any) (pgx.Rows, error)
-	QueryRow(context.Context, string, ...any) pgx.Row
-}, schema string) ([]SourceStats, error) {
-	table := pgx.Identifier{"river_job"}
-	if schema != "" {
-		table = pgx.Identifier{schema, "river_job"}
-	}
-	var exists bool
-	if err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, table.Sanitize()).Scan(&exists); err != nil || !exists {
-		return nil, err
-	}
-	rows, err := db.Query(ctx, `
-		SELECT metadata->>'idem_source' AS source,
-		       count(*) FILTER (WHERE state IN ('available', 'scheduled', 'pending')),
-		       count(*) FILTER (WHERE state = 'running'),
-		       count(*) FILTER (WHERE state = 'retryable'),
-		       count(*) FILTER (WHERE state IN ('discarded', 'cancelled'))
-		  FROM `+table.Sanitize()+`
-		 WHERE kind = $1
-		 GROUP BY 1 ORDER BY 1`, Kind)
-	if err != nil {
-		return nil, fmt.Errorf("inbox: stats: %w", err)
-	}
-	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (SourceStats, error) {
-		var s SourceStats
-		err := r.Scan(&s.Source, &s.Queued, &s.Running, &s.Retrying, &s.Dead)
-		return s, err
-	})
 }

@@ -16,7 +16,7 @@ import (
 // mode (idemhttp.Config.Async) hands it each verified delivery.
 func (in *Inbox) AcceptDelivery(ctx context.Context, d *idemhttp.Delivery) (bool, error) {
 	a, err := in.Accept(ctx, &Delivery{Source: d.Source, Key: d.Key, EventType: d.EventType,
-		Fingerprint: d.Fingerprint, Payload: d.Body, Header: keep(d.Header), AcceptedAt: time.Now()})
+		Fingerprint: d.Fingerprint, Payload: d.Body, Header: keep(d.Header), AcceptedAt: time.Now(), TTL: d.TTL, Lease: d.Lease})
 	return a.Duplicate, err
 }
 

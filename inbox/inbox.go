@@ -6,10 +6,20 @@
 // retries or rescues never repeats a completed event, and the effects of a
 // handler that ran half-way (idem.Client.Effect) are replayed, not redone.
 //
+// From the accept until its job completes it or dead-letters it, the key
+// is held for the queue (idem.holds, migration 7): no claim acquires it,
+// prune does not delete it and rotation does not retire its month, however
+// long the workers are down. Each attempt of a job takes the key with a
+// token of its own, so two attempts (a job River rescued while its first
+// attempt still ran) never both commit.
+//
 // Retries use River's backoff, up to a per-source maximum; past it the job
 // is discarded: the dead letter, listed by DeadLetters (idemctl inbox
 // list) and replayed by Replay (idemctl inbox replay) through the same
-// claim, so replaying an event already processed does nothing.
+// claim, so replaying an event already processed does nothing. A job whose
+// key is gone (deleted by hand, its month dropped) is a dead letter too,
+// with that reason, never a silent completion. Reconcile counts, per
+// source, accepted = processed + dead-lettered + queued.
 //
 // River lives in this package only: applications that do not use the inbox
 // do not import it. See docs/inbox.md.
@@ -35,9 +45,11 @@ import (
 const (
 	DefaultQueue       = "idem_inbox"
 	DefaultMaxAttempts = 10
-	DefaultQueueLease  = time.Hour
 	DefaultRunLease    = 2 * time.Minute
 	DefaultMaxWorkers  = 50
+	// DefaultRepairEvery is how often a worker client looks for queued
+	// events whose job can no longer run them (Repair).
+	DefaultRepairEvery = time.Minute
 )
 
 // Kind is the River job kind of inbox jobs.
@@ -73,6 +85,10 @@ type Delivery struct {
 	// clock); Attempt is the job's attempt, 1 the first time.
 	AcceptedAt time.Time
 	Attempt    int
+	// TTL and Lease, when set, override Config.TTL and Config.RunLease for
+	// this delivery (idemhttp passes its Config.TTL and Config.Lease, so
+	// a sender preset's retention holds in both modes).
+	TTL, Lease time.Duration
 }
 
 // Config configures an Inbox. Pool is required; every other field's zero
@@ -95,20 +111,24 @@ type Config struct {
 	// them over about four hours).
 	MaxAttempts        map[string]int
 	DefaultMaxAttempts int
-	// QueueLease is the lease the key holds while its job waits in the
-	// queue (and through each retry's backoff, on top of it). Past it, a
-	// redelivery of the event takes the key over with a new job, and the
-	// stale one does nothing when it runs (fencing). Default 1 hour;
+	// RunLease is each attempt's lease on the key while the handler runs,
+	// extended while it does; a delivery's own Lease (idemhttp's
+	// Config.Lease, a preset's) overrides it. While the job waits in the
+	// queue or between attempts the key is held for it, whatever its
+	// lease: no lease runs out under a queued event. Default 2 minutes;
 	// between 1 second and 7 days.
-	QueueLease time.Duration
-	// RunLease is the lease while the handler runs, extended while it
-	// does. Default 2 minutes.
 	RunLease time.Duration
 	// RetryPolicy schedules the retries of failed jobs. Default: River's
 	// DefaultClientRetryPolicy (attempt^4 seconds, with jitter).
 	RetryPolicy river.ClientRetryPolicy
-	// TTL overrides the retention of accepted keys (0: the source's policy).
+	// TTL overrides the retention of accepted keys (0: the source's policy);
+	// a delivery's own TTL (idemhttp's Config.TTL, a preset's) overrides
+	// it. Retention counts from the first delivery; a key held for its job
+	// is kept past it until the job has run.
 	TTL time.Duration
+	// RepairEvery is how often the worker client's Repair runs. Default
+	// DefaultRepairEvery; negative: never (call Repair yourself).
+	RepairEvery time.Duration
 	// Schema is the schema of River's tables. Default: the search_path.
 	Schema string
 	// Logger receives warnings. Default slog.Default().
@@ -133,14 +153,14 @@ func New(cfg Config) (*Inbox, error) {
 	if cfg.DefaultMaxAttempts == 0 {
 		cfg.DefaultMaxAttempts = DefaultMaxAttempts
 	}
-	if cfg.QueueLease == 0 {
-		cfg.QueueLease = DefaultQueueLease
-	}
 	if cfg.RunLease == 0 {
 		cfg.RunLease = DefaultRunLease
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
+	}
+	if cfg.RepairEvery == 0 {
+		cfg.RepairEvery = DefaultRepairEvery
 	}
 	if cfg.RetryPolicy == nil {
 		cfg.RetryPolicy = &river.DefaultClientRetryPolicy{}
@@ -148,10 +168,10 @@ func New(cfg Config) (*Inbox, error) {
 	switch {
 	case cfg.DefaultMaxAttempts < 1:
 		return nil, fmt.Errorf("%w: DefaultMaxAttempts %d must be at least 1 (0 for %d)", ErrInvalidConfig, cfg.DefaultMaxAttempts, DefaultMaxAttempts)
-	case cfg.QueueLease < time.Second || cfg.QueueLease > 7*24*time.Hour:
-		return nil, fmt.Errorf("%w: QueueLease %v must be between 1s and 7 days (0 for %v)", ErrInvalidConfig, cfg.QueueLease, DefaultQueueLease)
 	case cfg.RunLease < time.Second || cfg.RunLease > 7*24*time.Hour:
 		return nil, fmt.Errorf("%w: RunLease %v must be between 1s and 7 days (0 for %v)", ErrInvalidConfig, cfg.RunLease, DefaultRunLease)
+	case cfg.RepairEvery > 0 && cfg.RepairEvery < time.Second:
+		return nil, fmt.Errorf("%w: RepairEvery %v must be at least 1s (0 for %v, negative for never)", ErrInvalidConfig, cfg.RepairEvery, DefaultRepairEvery)
 	case cfg.TTL < 0:
 		return nil, fmt.Errorf("%w: TTL %v must not be negative (0 for the source's policy)", ErrInvalidConfig, cfg.TTL)
 	}

@@ -205,11 +205,14 @@ func TestPoisonEvent(t *testing.T) {
 	}
 	start(t, in, 4, nil)
 	var dead []inbox.DeadLetter
-	waitFor(t, "two dead letters", func() bool {
+	waitFor(t, "two dead letters, discarded by River", func() bool {
 		dead, err = in.DeadLetters(ctx, inbox.Filter{Source: "poison"})
-		return err == nil && len(dead) == 2
+		return err == nil && len(dead) == 2 && dead[0].State == rivertype.JobStateDiscarded && dead[1].State == rivertype.JobStateDiscarded
 	})
 	d := dead[0]
+	if d.Key != "evt_bad" {
+		d = dead[1]
+	}
 	if d.Key != "evt_bad" || d.Attempts != 3 || !strings.Contains(d.LastError, "attempt 3: unknown customer") || d.State != rivertype.JobStateDiscarded {
 		t.Fatalf("dead letter %+v", d)
 	}
@@ -236,16 +239,11 @@ func TestPoisonEvent(t *testing.T) {
 		return count(t, pool, `SELECT count(*) FROM processed WHERE key = 'evt_other'`) == 1
 	})
 
+	// The redelivery took evt_other's dead letter over: it is no longer
+	// one, so the replay finds evt_bad only.
 	res, err := in.Replay(ctx, inbox.Filter{Source: "poison"})
-	if err != nil || len(res) != 2 {
+	if err != nil || len(res) != 1 || res[0].Key != "evt_bad" || res[0].Outcome != "replayed" {
 		t.Fatalf("replay: %+v %v", res, err)
-	}
-	outcomes := map[string]string{}
-	for _, r := range res {
-		outcomes[r.Key] = r.Outcome
-	}
-	if outcomes["evt_bad"] != "replayed" || outcomes["evt_other"] != "already processed" {
-		t.Fatalf("replay outcomes %v", outcomes)
 	}
 	waitFor(t, "evt_bad processed", func() bool {
 		return count(t, pool, `SELECT count(*) FROM processed WHERE key = 'evt_bad'`) == 1
@@ -295,7 +293,7 @@ func TestConfig(t *testing.T) {
 		"no pool":      {},
 		"max attempts": {Pool: pool, DefaultMaxAttempts: -1},
 		"per source":   {Pool: pool, MaxAttempts: map[string]int{"s": 0}},
-		"queue lease":  {Pool: pool, QueueLease: time.Millisecond},
+		"repair every": {Pool: pool, RepairEvery: time.Millisecond},
 		"run lease":    {Pool: pool, RunLease: 8 * 24 * time.Hour},
 		"negative ttl": {Pool: pool, TTL: -time.Second},
 	} {
@@ -448,7 +446,7 @@ func TestAsyncHTTP(t *testing.T) {
 	if calls.Load() != 2 || len(bodies) != 1 || bodies[0] != body+" signed:true" {
 		t.Fatalf("handler calls %d, bodies %q", calls.Load(), bodies)
 	}
-	if n := count(t, pool, `SELECT count(*) FROM river_job`); n != 1 {
+	if n := count(t, pool, `SELECT count(*) FROM river_job WHERE kind = $1`, inbox.Kind); n != 1 {
 		t.Fatalf("%d jobs, want 1", n)
 	}
 }

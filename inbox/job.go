@@ -15,10 +15,12 @@ import (
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 
 	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/db/pgxdb"
 )
 
 // Job is the River job of one accepted delivery: its payload, and the
-// fencing token of the claim it was accepted under.
+// fencing token of the claim it was accepted under (the token its key is
+// held with).
 type Job struct {
 	Source     string      `json:"source"`
 	Key        string      `json:"key"`
@@ -29,10 +31,29 @@ type Job struct {
 	FirstSeen  time.Time   `json:"first_seen"`
 	ExpiresAt  time.Time   `json:"expires_at"`
 	AcceptedAt time.Time   `json:"accepted_at"`
+	// The delivery's own retention and lease (0: the Inbox's).
+	TTLMillis   int64 `json:"ttl_ms,omitempty"`
+	LeaseMillis int64 `json:"lease_ms,omitempty"`
 }
 
 // Kind implements river.JobArgs.
 func (Job) Kind() string { return Kind }
+
+// Errors a job ends with.
+var (
+	// ErrKeyGone: the event's key was deleted (by hand, or with its month's
+	// partition) before its job ran. The job is a dead letter with this
+	// reason; replay it to process the event.
+	ErrKeyGone = errors.New("inbox: the event's key is gone")
+	// ErrSuperseded: another attempt of the same job took the key from
+	// this one (River rescued the job while this attempt still ran); this
+	// attempt's work rolled back.
+	ErrSuperseded = errors.New("inbox: another attempt of this job took the key")
+)
+
+// recordTimeout bounds each recording of a failed attempt, detached from
+// the job's context: it ends in a retry, never a hang.
+const recordTimeout = idem.DefaultRecordTimeout
 
 // worker runs inbox jobs.
 type worker struct {
@@ -40,97 +61,149 @@ type worker struct {
 	in *Inbox
 }
 
-// NextRetry is Config.RetryPolicy's: the worker needs to know it, to keep
-// the key through the backoff.
+// NextRetry is Config.RetryPolicy's.
 func (w *worker) NextRetry(job *river.Job[Job]) time.Time {
 	return w.in.cfg.RetryPolicy.NextRetry(job.JobRow)
 }
 
-// Work runs the handler under the job's claim and completes the key and
-// the job in one transaction.
+// lease is the lease of each attempt of the job.
+func (in *Inbox) lease(j Job) time.Duration {
+	if j.LeaseMillis > 0 {
+		return time.Duration(j.LeaseMillis) * time.Millisecond
+	}
+	return in.cfg.RunLease
+}
+
+// Work takes the key for this attempt, runs the handler, and completes
+// the key, releases its hold and completes the job in one transaction.
 func (w *worker) Work(ctx context.Context, job *river.Job[Job]) error {
 	in, a := w.in, job.Args
 	log := in.cfg.Logger.With(slog.String("source", a.Source), slog.String("key", a.Key), slog.Int64("job", job.ID), slog.Int("attempt", job.Attempt))
 
-	// Take the key from the queue to this run. A stale token means a
-	// redelivery took the key over after the queue lease (its own job will
-	// process it), or the key is done: either way, nothing to do here.
+	lease := in.lease(a)
 	sent := time.Now()
-	until, err := in.idem.Extend(ctx, a.Source, a.Key, a.Token, in.cfg.RunLease)
-	if errors.Is(err, idem.ErrStaleToken) || errors.Is(err, idem.ErrNotFound) {
-		log.LogAttrs(ctx, slog.LevelInfo, "inbox: the key is no longer this job's (taken over by a later acceptance, or done); nothing to do")
-		return nil
-	}
+	tk, err := pgxdb.New(in.cfg.Pool).QueueTake(ctx, pgxdb.QueueTakeParams{Source: a.Source, Key: a.Key,
+		JobToken: a.Token, JobID: job.ID, LeaseMs: lease.Milliseconds()})
 	if err != nil {
-		return err
+		return fmt.Errorf("inbox: take the key: %w", err)
 	}
-	cl := &idem.Claim{Outcome: idem.Acquired, Source: a.Source, Key: a.Key, Token: a.Token, Attempt: job.Attempt,
-		LeaseExpiresAt: until, FirstSeen: a.FirstSeen, ExpiresAt: a.ExpiresAt, LeaseRemaining: in.cfg.RunLease}
+	switch tk.Outcome {
+	case "taken":
+	case "done":
+		log.LogAttrs(ctx, slog.LevelInfo, "inbox: the event is already processed; nothing to do")
+		return nil
+	case "superseded":
+		log.LogAttrs(ctx, slog.LevelInfo, "inbox: another job holds the event now (a replay, or a redelivery after a dead letter); nothing to do")
+		return nil
+	case "gone":
+		log.LogAttrs(ctx, slog.LevelError, "inbox: dead-lettered: the event's key is gone", slog.String("reason", tk.Error))
+		return river.JobCancel(fmt.Errorf("%w: %s", ErrKeyGone, tk.Error))
+	case "failed":
+		log.LogAttrs(ctx, slog.LevelError, "inbox: dead-lettered: the event's key failed for good", slog.String("reason", tk.Error))
+		return river.JobCancel(fmt.Errorf("inbox: the event's key failed for good: %s", tk.Error))
+	default:
+		return fmt.Errorf("inbox: take the key: unexpected outcome %q", tk.Outcome)
+	}
+	cl := &idem.Claim{Outcome: idem.Acquired, Source: a.Source, Key: a.Key, Token: tk.Token, Attempt: int(tk.Attempt),
+		Error: tk.Error, FirstSeen: a.FirstSeen, ExpiresAt: a.ExpiresAt, LeaseRemaining: lease}
+	if tk.LeaseExpiresAt.Valid {
+		cl.LeaseExpiresAt = tk.LeaseExpiresAt.Time
+	}
 	hctx, release := in.idem.KeepLease(ctx, cl, sent)
 	defer release()
 
-	herr := w.run(idem.WithEvent(hctx, cl), job)
+	herr := w.run(idem.WithEvent(hctx, cl), job, cl)
 	lost := errors.Is(context.Cause(hctx), idem.ErrLeaseLost) || errors.Is(herr, idem.ErrLeaseLost)
 	release()
-	if herr == nil && lost {
-		herr = idem.ErrLeaseLost
-	}
 	if herr == nil {
 		return nil
 	}
 	if lost {
-		log.LogAttrs(ctx, slog.LevelWarn, "inbox: lease lost while the handler ran; another job owns the key now", slog.Any("error", herr))
+		// Another attempt of this job took the key (River rescued the job
+		// while this one ran): this attempt's writes rolled back, and that
+		// attempt finishes the event.
+		log.LogAttrs(ctx, slog.LevelWarn, "inbox: another attempt of this job took the key; this attempt's work rolled back", slog.Any("error", herr))
 		return nil
 	}
 
-	// Failed. Past the last attempt (or told it is permanent), release the
-	// key with the error, for a replay to claim it again, and let River
-	// dead-letter the job. Otherwise keep the key through River's backoff.
-	rctx := context.WithoutCancel(ctx)
+	// Failed. Record it on the key (detached, bounded): past the last
+	// attempt, or for a permanent error, the key's hold becomes a dead
+	// letter (a replay or the sender's redelivery can take it again) and
+	// River discards or cancels the job. Otherwise the key stays held
+	// through River's backoff.
 	permanent := idem.IsPermanent(herr)
-	if permanent || job.Attempt >= job.MaxAttempts {
-		if err := in.idem.Fail(rctx, a.Source, a.Key, a.Token, herr.Error(), true); err != nil {
-			log.LogAttrs(ctx, slog.LevelWarn, "inbox: could not record the dead letter's error on its key", slog.Any("error", err))
+	dead := permanent || job.Attempt >= job.MaxAttempts
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), recordTimeout)
+	defer cancel()
+	out, err := pgxdb.New(in.cfg.Pool).QueueFail(rctx, pgxdb.QueueFailParams{Source: a.Source, Key: a.Key,
+		JobToken: a.Token, Token: cl.Token, Error: herr.Error(), Dead: dead})
+	switch {
+	case err != nil:
+		// The job is retried (or, past its attempts, discarded, and Repair
+		// requeues it): the key is still held for it.
+		log.LogAttrs(ctx, slog.LevelWarn, "inbox: could not record the failure on the key", slog.Any("error", err), slog.Any("failure", herr))
+		if dead {
+			return fmt.Errorf("%w (and recording it failed: %w)", herr, err)
 		}
+	case out == "dead":
 		log.LogAttrs(ctx, slog.LevelWarn, "inbox: dead-lettered", slog.Any("error", herr))
-		if permanent {
-			return river.JobCancel(herr)
-		}
-		return herr
+	case out != "failed":
+		log.LogAttrs(ctx, slog.LevelWarn, "inbox: another attempt of this job took the key", slog.String("outcome", out))
+		return nil
 	}
-	keep := min(time.Until(w.NextRetry(job))+in.cfg.QueueLease, 7*24*time.Hour)
-	if _, err := in.idem.Extend(rctx, a.Source, a.Key, a.Token, keep); err != nil {
-		log.LogAttrs(ctx, slog.LevelWarn, "inbox: could not keep the key through the backoff", slog.Any("error", err))
+	if permanent {
+		return river.JobCancel(herr)
 	}
 	return herr
 }
 
 // run calls the handler in a transaction and, when it succeeds, completes
-// the key and the job in that transaction.
-func (w *worker) run(ctx context.Context, job *river.Job[Job]) error {
+// the key, releases its hold and completes the job in that transaction.
+func (w *worker) run(ctx context.Context, job *river.Job[Job], cl *idem.Claim) error {
 	in, a := w.in, job.Args
 	tx, err := in.cfg.Pool.Begin(ctx)
 	if err != nil {
 		return err
 	}
-	defer tx.Rollback(context.WithoutCancel(ctx))
+	defer func() {
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), recordTimeout)
+		defer cancel()
+		_ = tx.Rollback(rctx)
+	}()
 	d := &Delivery{Source: a.Source, Key: a.Key, EventType: a.EventType, Payload: a.Payload, Header: a.Header,
 		AcceptedAt: a.AcceptedAt, Attempt: job.Attempt}
 	result, err := call(ctx, in.cfg.Handler, tx, d)
 	if err != nil {
 		return err
 	}
-	var raw json.RawMessage
+	p := pgxdb.QueueCompleteParams{Source: a.Source, Key: a.Key, JobToken: a.Token, Token: cl.Token}
 	if result != nil {
-		if raw, err = json.Marshal(result); err != nil {
-			return idem.Permanent(fmt.Errorf("inbox: the handler's result is not JSON: %w", err))
+		if raw, err := json.Marshal(result); err != nil {
+			reason := "the handler's result is not JSON: " + err.Error()
+			p.Reason = &reason
+		} else {
+			s := string(raw)
+			p.Result = &s
 		}
 	}
-	if err := in.idem.WithTx(tx).Complete(ctx, a.Source, a.Key, a.Token, raw); err != nil {
-		if errors.Is(err, idem.ErrStaleToken) {
-			return fmt.Errorf("%w: %w", idem.ErrLeaseLost, err)
+	out, err := pgxdb.New(tx).QueueComplete(ctx, p)
+	if err != nil {
+		return fmt.Errorf("inbox: complete the key: %w", err)
+	}
+	switch out {
+	case "completed":
+	case "completed_unstored":
+		attrs := []slog.Attr{slog.String("source", a.Source), slog.String("key", a.Key), slog.Int64("job", job.ID)}
+		if p.Reason != nil {
+			attrs = append(attrs, slog.String("reason", *p.Reason))
+		} else {
+			attrs = append(attrs, slog.String("reason", "over idem's 1 MiB result limit"), slog.Int("bytes", len(*p.Result)))
 		}
-		return err
+		in.cfg.Logger.LogAttrs(ctx, slog.LevelWarn, "inbox: processed; the result was not stored (the key's error says why)", attrs...)
+	case "stale_token", "not_held":
+		return fmt.Errorf("%w: %w (%s)", idem.ErrLeaseLost, ErrSuperseded, out)
+	default:
+		return fmt.Errorf("inbox: complete the key: %s", out)
 	}
 	if _, err := river.JobCompleteTx[*riverpgxv5.Driver](ctx, tx, job); err != nil {
 		return err
@@ -146,38 +219,4 @@ func call(ctx context.Context, h Handler, tx pgx.Tx, d *Delivery) (v any, err er
 		}
 	}()
 	return h(ctx, tx, d)
-}
-
-// AddWorker registers the inbox worker on workers, for an application
-// that runs its own River client: add the inbox queue (Queue) to that
-// client's Queues as well.
-func (in *Inbox) AddWorker(workers *river.Workers) error {
-	if in.cfg.Handler == nil {
-		return ErrNoHandler
-	}
-	return river.AddWorkerSafely(workers, &worker{in: in})
-}
-
-// NewWorkerClient returns a River client that works the inbox queue with
-// up to maxWorkers handlers at once (0: DefaultMaxWorkers); call its Start
-// and, on shutdown, Stop. base, when not nil, supplies the rest of River's
-// configuration (its Workers and Queues are replaced).
-func (in *Inbox) NewWorkerClient(maxWorkers int, base *river.Config) (*river.Client[pgx.Tx], error) {
-	if in.cfg.Handler == nil {
-		return nil, ErrNoHandler
-	}
-	if maxWorkers == 0 {
-		maxWorkers = DefaultMaxWorkers
-	}
-	cfg := river.Config{Logger: quiet(in.cfg.Logger)}
-	if base != nil {
-		cfg = *base
-	}
-	cfg.Schema = in.cfg.Schema
-	cfg.Workers = river.NewWorkers()
-	if err := in.AddWorker(cfg.Workers); err != nil {
-		return nil, err
-	}
-	cfg.Queues = map[string]river.QueueConfig{in.cfg.Queue: {MaxWorkers: maxWorkers}}
-	return river.NewClient(riverpgxv5.New(in.cfg.Pool), &cfg)
 }

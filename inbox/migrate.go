@@ -27,6 +27,8 @@ const MigrateLockID = migrate.LockID + 2
 // versions the application applied are left alone, and a database already
 // past this build's version is not touched. A migrator outside idem that
 // applied the same versions at the same moment makes it look again once.
+// Then idem's application and maintainer roles get their rights on
+// River's tables (GrantRiver).
 func Migrate(ctx context.Context, pool *pgxpool.Pool, schema string) ([]int, error) {
 	m, err := rivermigrate.New(riverpgxv5.New(pool), &rivermigrate.Config{Schema: schema, Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
@@ -47,6 +49,10 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool, schema string) ([]int, err
 			applied := make([]int, 0, len(res.Versions))
 			for _, v := range res.Versions {
 				applied = append(applied, v.Version)
+			}
+			// idem's roles get their rights on River's tables, new or not.
+			if err := GrantRiver(ctx, conn, schema); err != nil {
+				return applied, err
 			}
 			return applied, nil
 		}

@@ -33,6 +33,9 @@ func TestTimeoutStorm(t *testing.T) {
 			if async && !rep.AsyncOK() {
 				t.Fatalf("asynchronous mode: %d timeouts, %d retries, %d non-2xx; want none", rep.Timeouts, rep.Retries, rep.Non2xx)
 			}
+			if async && !rep.ReconcileOK() {
+				t.Fatalf("asynchronous mode's reconciliation: %v", rep.Inbox)
+			}
 			if !async && rep.Timeouts == 0 {
 				t.Fatal("synchronous mode showed no timeouts: the comparison is void")
 			}

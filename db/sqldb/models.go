@@ -19,6 +19,17 @@ type IdemDuplicateCount struct {
 	LastSeenAt sql.NullTime
 }
 
+type IdemHold struct {
+	Source string
+	Key    string
+	Token  int64
+	JobID  sql.NullInt64
+	State  string
+	HeldAt sql.NullTime
+	DeadAt sql.NullTime
+	Error  sql.NullString
+}
+
 // Per source ('*': every source), an upper bound on expires_at - first_seen of its rows; a claim uses the larger of its source's and '*'. Only ever raised; managed by idem.
 type IdemLookback struct {
 	Source   string
@@ -85,4 +96,12 @@ type IdemProcessedEventsDefault struct {
 	ExpiresAt      sql.NullTime
 	Duplicates     int32
 	LastSeenAt     sql.NullTime
+}
+
+type IdemQueueCount struct {
+	Source    string
+	Slot      int32
+	Accepted  int64
+	Processed int64
+	Since     sql.NullTime
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/db/pgxdb"
+	"github.com/idemkit/idem/inbox"
 )
 
 func init() {
@@ -22,15 +23,19 @@ type checkConfig struct {
 	maxExpired int64
 	maxStuck   int64
 	stuckGrace time.Duration
+	// riverSchema: where River's tables are, for the inbox's reconciliation.
+	riverSchema string
 }
 
 // health is what check measured and what it concluded.
 type health struct {
-	MonthsAhead int      `json:"months_ahead"`
-	DefaultRows int64    `json:"default_partition_rows"`
-	Expired     int64    `json:"expired_rows"`
-	Stuck       int64    `json:"stuck_leases"`
-	Problems    []string `json:"problems"`
+	MonthsAhead int   `json:"months_ahead"`
+	DefaultRows int64 `json:"default_partition_rows"`
+	Expired     int64 `json:"expired_rows"`
+	Stuck       int64 `json:"stuck_leases"`
+	// Inbox: the inbox's reconciliation per source (when it is used).
+	Inbox    []inbox.SourceStats `json:"inbox,omitempty"`
+	Problems []string            `json:"problems"`
 }
 
 func runCheck(ctx context.Context, io IO, g *globals, args []string) error {
@@ -40,6 +45,7 @@ func runCheck(ctx context.Context, io IO, g *globals, args []string) error {
 	fs.Int64Var(&c.maxExpired, "max-expired", 1_000_000, "unhealthy when more expired rows wait for prune")
 	fs.Int64Var(&c.maxStuck, "max-stuck", 0, "unhealthy when more keys are stuck in processing")
 	fs.DurationVar(&c.stuckGrace, "stuck-grace", 10*time.Minute, "a key is stuck when its lease ended this long ago and nobody re-acquired it")
+	fs.StringVar(&c.riverSchema, "river-schema", "", "the schema of River's tables, for the inbox's reconciliation (default: the search_path)")
 	asJSON := fs.Bool("json", false, "print JSON")
 	if err := fs.parse(args); err != nil {
 		return err
@@ -109,6 +115,21 @@ func measure(ctx context.Context, pool *pgxpool.Pool, c checkConfig) (*health, e
 	}
 	if h.Stuck > c.maxStuck {
 		h.Problems = append(h.Problems, fmt.Sprintf("%d keys stuck in processing more than %s past their lease (threshold %d): workers died and no redelivery came", h.Stuck, c.stuckGrace, c.maxStuck))
+	}
+	// Every event the inbox accepted is processed, dead-lettered, or
+	// queued with a job that will run it.
+	ib, err := inbox.Reconcile(ctx, pool, c.riverSchema)
+	h.Inbox = ib
+	if err != nil && len(ib) > 0 {
+		h.Problems = append(h.Problems, fmt.Sprintf("the inbox's jobs cannot be read: %v", err))
+	}
+	for _, s := range ib {
+		switch {
+		case !s.Balanced():
+			h.Problems = append(h.Problems, fmt.Sprintf("inbox %s: %d accepted events are unaccounted for (%s)", s.Source, s.Accepted-s.Processed-s.Dead-s.Queued, s))
+		case s.Unaccounted > 0:
+			h.Problems = append(h.Problems, fmt.Sprintf("inbox %s: %d accepted events have no job that will run them: a worker client repairs them (inbox.Repair), or replay after it dead-letters them", s.Source, s.Unaccounted))
+		}
 	}
 	public, err := q.PublicRoutines(ctx)
 	if err != nil {

@@ -167,6 +167,9 @@ func demoTimeouts(ctx context.Context, io IO, pool *pgxpool.Pool, log *slog.Logg
 		mark[async.AsyncOK()], async.P99.Round(100*time.Microsecond))
 	fmt.Fprintf(io.Out, "  [%s] synchronous: %d timeouts and %d retries, and still each event processed once (idem)\n",
 		mark[sync.OnceEach()], sync.Timeouts, sync.Retries)
-	ok := async.AsyncOK() && sync.OnceEach()
+	if async.Inbox != nil {
+		fmt.Fprintf(io.Out, "  [%s] reconciliation: %s\n", mark[async.ReconcileOK()], async.Inbox)
+	}
+	ok := async.AsyncOK() && sync.OnceEach() && async.ReconcileOK()
 	return ok, nil
 }

@@ -37,7 +37,8 @@ func TestDemo(t *testing.T) {
 			}
 			wants := []string{"[PASS] one email per event, none twice (120 sent, 0 duplicates)", "[PASS] one payment per invoice",
 				"[PASS] forged, stale and unsigned deliveries refused before any claim (80 of 80 refused, 0 forged payments booked",
-				"[PASS] customer balances are exact", "partitions rotate:", "prune:", "DUP RATE"}
+				"[PASS] customer balances are exact", "partitions rotate:", "prune:", "DUP RATE",
+				"[PASS] reconciliation: timeouts-async: accepted"}
 			if name == "throwaway cluster" {
 				wants = append(wants, "[PASS] a key first seen last month is recognized this month")
 			}

@@ -3,6 +3,8 @@ package cli
 import (
 	"context"
 	"fmt"
+
+	"github.com/idemkit/idem/inbox"
 )
 
 func init() {
@@ -13,6 +15,7 @@ func runGrant(ctx context.Context, io IO, g *globals, args []string) error {
 	fs := newFlagSet("grant", io, g)
 	app := fs.String("app", "", "role that may only run the protocol functions")
 	maint := fs.String("maintainer", "", "role that may prune, rotate and read stats")
+	riverSchema := fs.String("river-schema", "", "the schema of River's tables, for the inbox's rights (default: the search_path)")
 	if err := fs.parse(args); err != nil {
 		return err
 	}
@@ -46,6 +49,11 @@ func runGrant(ctx context.Context, io IO, g *globals, args []string) error {
 			return fmt.Errorf("%s(%q): %w", x.fn, x.role, err)
 		}
 		fmt.Fprintf(io.Out, "granted %s to %s\n", map[string]string{"idem.grant_app": "the application rights", "idem.grant_maintainer": "the maintainer rights"}[x.fn], x.role)
+	}
+	// And the inbox's rights on River's tables, when they exist (migrate
+	// up gives them to these roles when River's tables come later).
+	if err := inbox.GrantRiver(ctx, pool, *riverSchema); err != nil {
+		return err
 	}
 	return nil
 }

@@ -63,7 +63,7 @@ func TestInboxCommands(t *testing.T) {
 	}
 	wait("the dead letter", func() bool { d, _ := in.DeadLetters(ctx, inbox.Filter{}); return len(d) == 1 })
 
-	if r := idemctl(t, ctx, env, "stats"); r.code != 0 || !strings.Contains(r.out, "INBOX SOURCE") || !regexpLine(r.out, `^shop\s+0\s+0\s+0\s+1\s*$`) {
+	if r := idemctl(t, ctx, env, "stats"); r.code != 0 || !strings.Contains(r.out, "INBOX SOURCE") || !regexpLine(r.out, `^shop\s+1\s+0\s+1\s+0\s+0\s+0\s+0\s+true\s*$`) {
 		t.Fatalf("stats: %d\n%s", r.code, r.out)
 	}
 	r := idemctl(t, ctx, env, "inbox", "list", "--source", "shop")

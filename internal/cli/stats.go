@@ -33,18 +33,10 @@ type sourceStats struct {
 }
 
 type statsOut struct {
-	Sources    []sourceStats   `json:"sources"`
-	Inbox      []inboxStats    `json:"inbox,omitempty"`
-	Partitions []partitionJSON `json:"partitions"`
-}
-
-// inboxStats counts a source's inbox jobs (River's table) by state.
-type inboxStats struct {
-	Source   string `json:"source"`
-	Queued   int64  `json:"queued"`
-	Running  int64  `json:"running"`
-	Retrying int64  `json:"retrying"`
-	Dead     int64  `json:"dead_lettered"`
+	Sources    []sourceStats       `json:"sources"`
+	Inbox      []inbox.SourceStats `json:"inbox,omitempty"`
+	InboxError string              `json:"inbox_error,omitempty"`
+	Partitions []partitionJSON     `json:"partitions"`
 }
 
 func runStats(ctx context.Context, io IO, g *globals, args []string) error {
@@ -84,12 +76,11 @@ func runStats(ctx context.Context, io IO, g *globals, args []string) error {
 		}
 		out.Sources = append(out.Sources, s)
 	}
-	ib, err := inbox.Stats(ctx, pool, *riverSchema)
+	// The inbox's reconciliation; an error reading River's side is shown,
+	// and never keeps idem's own statistics from printing.
+	out.Inbox, err = inbox.Reconcile(ctx, pool, *riverSchema)
 	if err != nil {
-		return err
-	}
-	for _, s := range ib {
-		out.Inbox = append(out.Inbox, inboxStats(s))
+		out.InboxError = err.Error()
 	}
 	parts, err := q.ListPartitions(ctx)
 	if err != nil {
@@ -119,12 +110,25 @@ func runStats(ctx context.Context, io IO, g *globals, args []string) error {
 	}
 	fmt.Fprintln(tw)
 	if len(out.Inbox) > 0 {
-		fmt.Fprintln(tw, "INBOX SOURCE\tQUEUED\tRUNNING\tRETRYING\tDEAD-LETTERED")
+		// accepted = processed + dead-lettered + queued, per source.
+		fmt.Fprintln(tw, "INBOX SOURCE\tACCEPTED\tPROCESSED\tDEAD-LETTERED\tQUEUED\tRUNNING\tRETRYING\tUNACCOUNTED\tBALANCED")
 		for _, s := range out.Inbox {
-			fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\n", s.Source, s.Queued, s.Running, s.Retrying, s.Dead)
+			fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%s\t%s\t%s\t%v\n", s.Source, s.Accepted, s.Processed, s.Dead, s.Queued,
+				known(s.Running), known(s.Retrying), known(s.Unaccounted), s.Balanced())
 		}
 		fmt.Fprintln(tw)
 	}
+	if out.InboxError != "" {
+		fmt.Fprintf(tw, "inbox: %s\n\n", out.InboxError)
+	}
 	printPartitions(tw, out.Partitions)
 	return tw.Flush()
+}
+
+// known prints a count, or "?" for one that could not be read (-1).
+func known(n int64) string {
+	if n < 0 {
+		return "?"
+	}
+	return fmt.Sprint(n)
 }

@@ -41,6 +41,9 @@ type TimeoutsReport struct {
 	P50, P99, Max                 time.Duration // per request, as the sender saw it
 	Events, ProcessedOnce, Repeat int           // events processed once; run more than once
 	Elapsed                       time.Duration // until every event was processed
+	// Inbox is the asynchronous mode's reconciliation of its source
+	// (accepted = processed + dead-lettered + queued); nil when synchronous.
+	Inbox *inbox.SourceStats
 }
 
 func (c *TimeoutsConfig) defaults() {
@@ -89,11 +92,13 @@ func Timeouts(ctx context.Context, pool *pgxpool.Pool, cfg TimeoutsConfig, log *
 		work(r.Context(), ev.ID)
 		w.WriteHeader(http.StatusOK)
 	})
+	var in *inbox.Inbox
 	if cfg.Async {
 		if _, err := inbox.Migrate(ctx, pool, ""); err != nil {
 			return nil, err
 		}
-		in, err := inbox.New(inbox.Config{Pool: pool, Idem: c, Logger: log, Handler: func(ctx context.Context, _ pgx.Tx, d *inbox.Delivery) (any, error) {
+		var err error
+		in, err = inbox.New(inbox.Config{Pool: pool, Idem: c, Logger: log, Handler: func(ctx context.Context, _ pgx.Tx, d *inbox.Delivery) (any, error) {
 			work(ctx, d.Key)
 			return nil, nil
 		}})
@@ -207,5 +212,29 @@ func Timeouts(ctx context.Context, pool *pgxpool.Pool, cfg TimeoutsConfig, log *
 		}
 	}
 	mu.Unlock()
+	if in != nil {
+		// The last completions commit just after the handlers return.
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+			st, err := in.Reconcile(ctx)
+			if err != nil {
+				return nil, err
+			}
+			for _, s := range st {
+				if s.Source == source {
+					rep.Inbox = &s
+				}
+			}
+			if (rep.Inbox != nil && rep.Inbox.Queued == 0) || time.Now().After(deadline) {
+				break
+			}
+		}
+	}
 	return rep, nil
+}
+
+// ReconcileOK: the asynchronous mode's events (the warm-up's and the
+// storm's) add up, every accepted event processed.
+func (r *TimeoutsReport) ReconcileOK() bool {
+	s := r.Inbox
+	return s != nil && s.Balanced() && s.Accepted >= int64(r.Events) && s.Processed == s.Accepted && s.Unaccounted == 0
 }

@@ -211,11 +211,16 @@ func (c *Cluster) startServer(ctx context.Context) error {
 
 // stopServer shuts the server down (fast shutdown: open transactions are
 // rolled back, connections dropped) and waits for it to exit.
-func (c *Cluster) stopServer() {
+func (c *Cluster) stopServer() { c.stop(syscall.SIGINT) }
+
+// stop sends the postmaster sig (SIGINT: fast shutdown; SIGQUIT:
+// immediate shutdown, as pg_ctl stop -m immediate, with crash recovery
+// at the next start) and waits for it to exit.
+func (c *Cluster) stop(sig syscall.Signal) {
 	if c.cmd == nil || c.cmd.Process == nil {
 		return
 	}
-	_ = c.cmd.Process.Signal(syscall.SIGINT)
+	_ = c.cmd.Process.Signal(sig)
 	select {
 	case <-c.exited:
 	case <-time.After(30 * time.Second):
@@ -229,6 +234,14 @@ func (c *Cluster) stopServer() {
 // the same data directory and port (the reliability tests' server restart).
 func (c *Cluster) Restart(ctx context.Context) error {
 	c.stopServer()
+	return c.startServer(ctx)
+}
+
+// RestartImmediate stops the server as pg_ctl restart -m immediate does
+// (every backend quits at once, no checkpoint; the next start recovers
+// from the WAL) and starts it again on the same data directory and port.
+func (c *Cluster) RestartImmediate(ctx context.Context) error {
+	c.stop(syscall.SIGQUIT)
 	return c.startServer(ctx)
 }
 
