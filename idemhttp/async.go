@@ -19,6 +19,11 @@ type Delivery struct {
 	// the source's policy): the retention of the accepted key, and the
 	// lease of each attempt to process it, as in synchronous mode.
 	TTL, Lease time.Duration
+	// GuardSource and GuardKey, when set, are the replay guard's claim of
+	// the signed body (see GuardKey): claim it in the same transaction as
+	// the key, with Key as its fingerprint, and treat a mismatch as a
+	// duplicate (a copy of the delivery under another delivery id).
+	GuardSource, GuardKey string
 }
 
 // Acceptor accepts deliveries for later processing (Config.Async). Package

@@ -132,9 +132,19 @@ type Config struct {
 	// 422; a failure to accept is 503, so the sender retries. See
 	// docs/inbox.md.
 	Async Acceptor
+	// KeepHeaders names request headers, besides Content-Type, User-Agent
+	// and the sender's own event, delivery and signature headers (a
+	// preset's), that asynchronous mode keeps with the delivery: stored
+	// with its job and handed to the worker's handler. Every other header
+	// is dropped before anything is stored: credentials (Authorization,
+	// cookies, X-Api-Key and any vendor token) never reach the database.
+	// Default: none.
+	KeepHeaders []string
 
-	sender    string // set by a webhook preset: its name
-	presetErr error  // a preset's bad secret
+	sender        string   // set by a webhook preset: its name
+	senderHeaders []string // a preset's event, delivery and signature headers
+	guardBody     bool     // a preset whose signature covers the body only: the replay guard
+	presetErr     error    // a preset's bad secret
 }
 
 // Response is what the middleware stores for a key: enough to replay the
@@ -307,9 +317,29 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 		key = m.cfg.Scope(r) + "|" + key
 	}
 	if m.cfg.Async != nil {
-		return m.accept(w, r, &Delivery{Source: m.cfg.Source, Key: key, EventType: eventType,
-			Fingerprint: m.cfg.Fingerprint(r, body), Body: body, Header: r.Header.Clone(),
-			TTL: m.cfg.TTL, Lease: m.cfg.Lease})
+		d := &Delivery{Source: m.cfg.Source, Key: key, EventType: eventType,
+			Fingerprint: m.cfg.Fingerprint(r, body), Body: body, Header: m.keep(r.Header),
+			TTL: m.cfg.TTL, Lease: m.cfg.Lease}
+		if m.cfg.guardBody {
+			d.GuardSource, d.GuardKey = m.cfg.Source+GuardSuffix, GuardKey(eventType, body)
+		}
+		return m.accept(w, r, d)
+	}
+	if m.cfg.guardBody {
+		replay, done, err := m.guard(r.Context(), key, eventType, body)
+		switch {
+		case err != nil:
+			m.cfg.Logger.LogAttrs(r.Context(), slog.LevelError, "idemhttp: idempotency store failed",
+				slog.String("source", m.cfg.Source), slog.String("key", key), slog.Any("error", err))
+			problem(w, http.StatusServiceUnavailable, "Idempotency store unavailable",
+				"The request was not processed; retry later.", map[string]string{"Retry-After": "5"})
+			return AnswerUnavailable
+		case replay:
+			m.cfg.Logger.LogAttrs(r.Context(), slog.LevelWarn, "idemhttp: a signed body delivered before under another delivery id: answered as a duplicate, nothing run",
+				slog.String("source", m.cfg.Source), slog.String("key", key))
+			return replayedCopy(w)
+		}
+		defer done()
 	}
 	opts := []idem.ClaimOption{idem.WithFingerprint(m.cfg.Fingerprint(r, body))}
 	if eventType != "" {

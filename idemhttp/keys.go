@@ -109,8 +109,9 @@ func (c Config) Apply(presets ...Preset) Config {
 	return c
 }
 
-func preset(source, sender string, key KeyFunc, ttl time.Duration, verify func() (Verifier, error)) Preset {
+func preset(source, sender string, key KeyFunc, ttl time.Duration, verify func() (Verifier, error), headers ...string) Preset {
 	return func(c *Config) {
+		c.senderHeaders = headers
 		if c.Source == "" {
 			c.Source = source
 		}
@@ -161,23 +162,32 @@ const StripeRetryWindow = 3 * 24 * time.Hour
 // one is rolled).
 func Stripe(secrets ...string) Preset {
 	return preset("stripe", "Stripe", bodyIDKey, 2*StripeRetryWindow+24*time.Hour,
-		verifier(secrets, func(s ...string) Verifier { return StripeVerifier(DefaultTolerance, s...) }))
+		verifier(secrets, func(s ...string) Verifier { return StripeVerifier(DefaultTolerance, s...) }), "Stripe-Signature")
 }
 
 // GitHub keys by X-GitHub-Delivery (a GUID per delivery, kept on
 // redelivery), with the event type from X-GitHub-Event, and verifies
-// X-Hub-Signature-256 against the webhook's secrets first.
+// X-Hub-Signature-256 against the webhook's secrets first. The signature
+// covers the body only, so the signed body is deduplicated too (the replay
+// guard, GuardKey): a copy re-sent under a fresh delivery id runs nothing.
 func GitHub(secrets ...string) Preset {
-	return preset("github", "GitHub", HeaderKey("X-GitHub-Event", "X-GitHub-Delivery"), 0, verifier(secrets, GitHubVerifier))
+	p := preset("github", "GitHub", HeaderKey("X-GitHub-Event", "X-GitHub-Delivery"), 0, verifier(secrets, GitHubVerifier),
+		"X-GitHub-Event", "X-GitHub-Delivery", "X-Hub-Signature-256", "X-GitHub-Hook-Id",
+		"X-GitHub-Hook-Installation-Target-Id", "X-GitHub-Hook-Installation-Target-Type")
+	return func(c *Config) { p(c); c.guardBody = true }
 }
 
 // Shopify keys by X-Shopify-Event-Id (the same for every delivery of an
 // event), falling back to X-Shopify-Webhook-Id, with the topic as type,
 // and verifies X-Shopify-Hmac-Sha256 against the app's client secrets
-// first. Shopify retries for 48 hours.
+// first. Shopify retries for 48 hours. The signature covers the body only,
+// so the signed body is deduplicated too (the replay guard, GuardKey).
 func Shopify(secrets ...string) Preset {
-	return preset("shopify", "Shopify", HeaderKey("X-Shopify-Topic", "X-Shopify-Event-Id", "X-Shopify-Webhook-Id"), 0,
-		verifier(secrets, ShopifyVerifier))
+	p := preset("shopify", "Shopify", HeaderKey("X-Shopify-Topic", "X-Shopify-Event-Id", "X-Shopify-Webhook-Id"), 0,
+		verifier(secrets, ShopifyVerifier),
+		"X-Shopify-Topic", "X-Shopify-Event-Id", "X-Shopify-Webhook-Id", "X-Shopify-Hmac-Sha256",
+		"X-Shopify-Shop-Domain", "X-Shopify-Api-Version", "X-Shopify-Triggered-At")
+	return func(c *Config) { p(c); c.guardBody = true }
 }
 
 // StandardWebhooks keys by webhook-id (Standard Webhooks), falling back to
@@ -200,5 +210,5 @@ func StandardWebhooks(secrets ...string) Preset {
 		}
 		_ = json.Unmarshal(body, &ev)
 		return k, ev.Type, nil
-	}, 0, verify)
+	}, 0, verify, "webhook-id", "webhook-timestamp", "webhook-signature", "svix-id", "svix-timestamp", "svix-signature")
 }

@@ -45,6 +45,21 @@ func (in *Inbox) Accept(ctx context.Context, d *Delivery) (Acceptance, error) {
 // fingerprint is idem.ErrMismatch. Answer the sender 2xx only after tx
 // commits.
 func (in *Inbox) AcceptTx(ctx context.Context, tx pgx.Tx, d *Delivery) (Acceptance, error) {
+	if d.GuardSource != "" {
+		// The replay guard: the signed body, claimed for this key.
+		g, err := in.idem.WithTx(tx).Claim(ctx, d.GuardSource, d.GuardKey, in.claimOptions(d.Key, "", d.TTL)...)
+		switch {
+		case err != nil:
+			return Acceptance{}, err
+		case g.Outcome == idem.Mismatch:
+			// The same signed body under another delivery id: a copy.
+			return Acceptance{Duplicate: true, Outcome: idem.Completed}, nil
+		case g.Outcome == idem.Acquired:
+			if err := in.idem.WithTx(tx).Complete(ctx, d.GuardSource, d.GuardKey, g.Token, nil); err != nil {
+				return Acceptance{}, err
+			}
+		}
+	}
 	cl, err := in.idem.WithTx(tx).Claim(ctx, d.Source, d.Key, in.claimOptions(d.Fingerprint, d.EventType, d.TTL)...)
 	if err != nil {
 		return Acceptance{}, err

@@ -16,22 +16,9 @@ import (
 // mode (idemhttp.Config.Async) hands it each verified delivery.
 func (in *Inbox) AcceptDelivery(ctx context.Context, d *idemhttp.Delivery) (bool, error) {
 	a, err := in.Accept(ctx, &Delivery{Source: d.Source, Key: d.Key, EventType: d.EventType,
-		Fingerprint: d.Fingerprint, Payload: d.Body, Header: keep(d.Header), AcceptedAt: time.Now(), TTL: d.TTL, Lease: d.Lease})
+		Fingerprint: d.Fingerprint, Payload: d.Body, Header: d.Header, AcceptedAt: time.Now(), TTL: d.TTL, Lease: d.Lease,
+		GuardSource: d.GuardSource, GuardKey: d.GuardKey})
 	return a.Duplicate, err
-}
-
-// keep drops the headers a handler has no use for and that should not be
-// stored (credentials, connection details), keeping the sender's own.
-func keep(h map[string][]string) map[string][]string {
-	out := make(map[string][]string)
-	for k, v := range h {
-		switch k {
-		case "Authorization", "Cookie", "Proxy-Authorization", "Connection", "Accept-Encoding", "Content-Length", "X-Forwarded-For":
-			continue
-		}
-		out[k] = v
-	}
-	return out
 }
 
 // FromHTTP runs an http.Handler as the inbox's Handler: the delivery is

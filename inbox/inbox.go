@@ -78,8 +78,11 @@ type Delivery struct {
 	// key with another fingerprint is refused with idem.ErrMismatch.
 	Fingerprint string
 	Payload     []byte
-	// Header holds the request headers worth keeping (idemhttp keeps the
-	// sender's event headers); may be nil.
+	// Header holds the request headers kept with the delivery, stored with
+	// its job and handed to the handler: idemhttp keeps an allow-list
+	// (Content-Type, User-Agent, the sender's event, delivery and
+	// signature headers, and its Config.KeepHeaders), never credentials.
+	// May be nil.
 	Header http.Header
 	// AcceptedAt is when the delivery was accepted (by this process's
 	// clock); Attempt is the job's attempt, 1 the first time.
@@ -89,6 +92,11 @@ type Delivery struct {
 	// this delivery (idemhttp passes its Config.TTL and Config.Lease, so
 	// a sender preset's retention holds in both modes).
 	TTL, Lease time.Duration
+	// GuardSource and GuardKey, when set (idemhttp's GitHub and Shopify
+	// presets: their signatures cover the body only), are claimed in the
+	// accept's transaction with Key as fingerprint: a copy of the signed
+	// body under another delivery id is a duplicate (idemhttp.GuardKey).
+	GuardSource, GuardKey string
 }
 
 // Config configures an Inbox. Pool is required; every other field's zero

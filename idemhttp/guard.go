@@ -1,0 +1,102 @@
+package idemhttp
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"log/slog"
+	"net/http"
+
+	"github.com/idemkit/idem"
+)
+
+// The replay guard. GitHub (X-Hub-Signature-256) and Shopify
+// (X-Shopify-Hmac-Sha256) sign the body only: the delivery id the presets
+// key by is not signed, so a captured delivery re-sent with a fresh id
+// verifies and would be a new key. For these senders what the signature
+// covers is deduplicated too: the signed body (with the event type: two
+// topics may carry the same body) is claimed under Source+GuardSuffix with
+// the delivery's key as fingerprint. A copy under another id meets the
+// body's claim with another fingerprint and is answered as a duplicate
+// without running anything; the genuine redelivery (same id, same body)
+// passes the guard and is answered from its stored result, as before. Two
+// genuine deliveries of the same event type with byte-identical bodies
+// are one event. docs/http.md, "Threat model".
+
+// GuardSuffix is appended to a source to name the source of its replay
+// guard's keys ("github/bodies").
+const GuardSuffix = "/bodies"
+
+// GuardKey is the replay guard's key for a signed body of an event type:
+// SHA-256, hex.
+func GuardKey(eventType string, body []byte) string {
+	h := sha256.New()
+	h.Write([]byte(eventType))
+	h.Write([]byte{'\n'})
+	h.Write(body)
+	return hex.EncodeToString(h.Sum(nil))
+}
+
+// guard claims the signed body for key (synchronous mode). It returns
+// replay = true when the body was claimed for another key (a copy under a
+// fresh delivery id: answer as a duplicate, run nothing), and otherwise a
+// function to call once the delivery is answered, which completes the
+// body's claim if this delivery made it.
+func (m *middleware) guard(ctx context.Context, key, eventType string, body []byte) (replay bool, done func(), err error) {
+	source := m.cfg.Source + GuardSuffix
+	gk := GuardKey(eventType, body)
+	opts := []idem.ClaimOption{idem.WithFingerprint(key)}
+	if m.cfg.TTL > 0 {
+		opts = append(opts, idem.WithTTL(m.cfg.TTL))
+	}
+	cl, err := m.cfg.Client.Claim(ctx, source, gk, opts...)
+	switch {
+	case err != nil:
+		return false, nil, err
+	case cl.Outcome == idem.Mismatch:
+		return true, nil, nil
+	case cl.Outcome != idem.Acquired:
+		return false, func() {}, nil
+	}
+	return false, func() {
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), idem.DefaultRecordTimeout)
+		defer cancel()
+		if err := m.cfg.Client.Complete(rctx, source, gk, cl.Token, nil); err != nil && !errors.Is(err, idem.ErrStaleToken) {
+			// The guard's lease runs out and the next delivery of the body
+			// under this key claims it again: nothing is lost.
+			m.cfg.Logger.LogAttrs(ctx, slog.LevelWarn, "idemhttp: could not complete the replay guard's claim",
+				slog.String("source", source), slog.String("key", key), slog.Any("error", err))
+		}
+	}, nil
+}
+
+// replayedCopy answers a copy of a delivery under another delivery id: as
+// a duplicate, with nothing run.
+func replayedCopy(w http.ResponseWriter) Answer {
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Idempotency-Replayed", "true")
+	w.WriteHeader(http.StatusOK)
+	w.Write([]byte(`{"duplicate":true}` + "\n"))
+	return AnswerReplayed
+}
+
+// baseHeaders are kept with every delivery in asynchronous mode.
+var baseHeaders = []string{"Content-Type", "User-Agent"}
+
+// keep returns the request headers a delivery keeps in asynchronous mode
+// (stored with its job, handed to the worker's handler): Content-Type,
+// User-Agent, the sender's own event, delivery and signature headers (a
+// preset's), and Config.KeepHeaders. Nothing else: credentials, cookies,
+// API keys and tokens of any name never reach the database.
+func (m *middleware) keep(h http.Header) http.Header {
+	out := http.Header{}
+	for _, list := range [][]string{baseHeaders, m.cfg.senderHeaders, m.cfg.KeepHeaders} {
+		for _, name := range list {
+			if v := h.Values(name); len(v) > 0 {
+				out[http.CanonicalHeaderKey(name)] = append([]string(nil), v...)
+			}
+		}
+	}
+	return out
+}
