@@ -148,3 +148,25 @@ func TestBadInputGo(t *testing.T) {
 		})
 	}
 }
+
+// TestLongKeyNotEchoed: an oversized key (600 bytes, or a multi-byte one)
+// is refused with an error that quotes a short prefix and its length,
+// never the whole key.
+func TestLongKeyNotEchoed(t *testing.T) {
+	t.Parallel()
+	pool, _ := setup(t)
+	c := idem.New(pool, nil)
+	for _, key := range []string{strings.Repeat("k", 600), strings.Repeat("é", 300)} {
+		_, err := c.Claim(context.Background(), "s", key)
+		if !errors.Is(err, idem.ErrInvalidInput) {
+			t.Fatalf("claim of a %d-byte key: %v", len(key), err)
+		}
+		msg := err.Error()
+		if len(msg) > 200 || strings.Contains(msg, key[:100]) || !strings.Contains(msg, "(600 bytes)") {
+			t.Fatalf("the error echoes the key: %d bytes: %s", len(msg), msg)
+		}
+	}
+	if got := idem.Quote("short"); got != "short" {
+		t.Fatalf("Quote(short) = %q", got)
+	}
+}

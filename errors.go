@@ -2,6 +2,7 @@ package idem
 
 import (
 	"github.com/idemkit/idem/internal/sqlstate"
+	"unicode/utf8"
 
 	"context"
 	"errors"
@@ -68,7 +69,25 @@ type Error struct {
 }
 
 func (e *Error) Error() string {
-	return fmt.Sprintf("idem: %s %q/%q: %v", e.Op, e.Source, e.Key, e.Err)
+	return fmt.Sprintf("idem: %s %q/%q: %v", e.Op, Quote(e.Source), Quote(e.Key), e.Err)
+}
+
+// quoteMax is the longest source or key an error message quotes whole.
+const quoteMax = 64
+
+// Quote shortens a source or key for an error message or a log line: one
+// of up to 64 bytes is returned as it is; a longer one (a bad key can be
+// any length) becomes its first 48 bytes, "…" and its length, so an error
+// never echoes a whole oversized input back.
+func Quote(s string) string {
+	if len(s) <= quoteMax {
+		return s
+	}
+	cut := 48
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return fmt.Sprintf("%s…(%d bytes)", s[:cut], len(s))
 }
 
 // Unwrap lets errors.Is/As reach both the sentinel and the driver error.

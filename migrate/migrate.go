@@ -14,6 +14,8 @@ import (
 	"fmt"
 	"io/fs"
 	"log/slog"
+	"strconv"
+	"strings"
 
 	"github.com/pressly/goose/v3"
 	"github.com/pressly/goose/v3/database"
@@ -40,6 +42,20 @@ const (
 
 // FS returns the embedded migrations.
 func FS() fs.FS { return migrations.FS }
+
+// Latest is the version of the newest embedded migration: the schema this
+// build of idem needs.
+func Latest() int64 {
+	entries, _ := fs.ReadDir(migrations.FS, ".")
+	var v int64
+	for _, e := range entries {
+		num, _, ok := strings.Cut(e.Name(), "_")
+		if n, err := strconv.ParseInt(num, 10, 64); ok && err == nil && strings.HasSuffix(e.Name(), ".sql") {
+			v = max(v, n)
+		}
+	}
+	return v
+}
 
 // NewProvider returns a goose Provider over idem's embedded migrations with
 // idem's version table and advisory session lock. Extra options are appended

@@ -113,8 +113,7 @@ func Main(ctx context.Context, args []string, out, errw io.Writer, env Env) int 
 	}
 	cmd, ok := commands[args[0]]
 	if !ok {
-		fmt.Fprintf(errw, "idemctl: unknown command %q (run idemctl help)\n", args[0])
-		return ExitUsage
+		return report(errw, "", usageErr("unknown command %q (run idemctl help)", args[0]))
 	}
 	var g globals
 	return report(errw, args[0], cmd.run(ctx, io, &g, args[1:]))
@@ -155,7 +154,10 @@ func report(w io.Writer, name string, err error) int {
 	if errors.As(err, &ee) {
 		code = ee.code
 	}
-	msg := strings.ReplaceAll(err.Error(), "\n", " ")
+	// Every error is redacted here, the one place they are printed: a
+	// password in a URL or key=value connection string, given in any flag
+	// form, position or environment variable, never reaches the terminal.
+	msg := redact(strings.ReplaceAll(err.Error(), "\n", " "))
 	if name == "" {
 		fmt.Fprintf(w, "idemctl: %s\n", msg)
 	} else {
@@ -165,10 +167,20 @@ func report(w io.Writer, name string, err error) int {
 }
 
 // flagSet is a command's flags; -h prints them to the command's output.
+// Flags may come before, between or after the arguments (one parser path
+// for every command: `migrate --database-url U up` and `migrate up
+// --database-url U` mean the same).
 type flagSet struct {
 	*flag.FlagSet
 	help io.Writer
+	args []string // the arguments that are not flags, in order
 }
+
+// Args are the arguments that are not flags.
+func (fs *flagSet) Args() []string { return fs.args }
+
+// NArg is len(Args()).
+func (fs *flagSet) NArg() int { return len(fs.args) }
 
 // newFlagSet returns a flag set for a command that also takes the globals.
 func newFlagSet(name string, cio IO, g *globals) *flagSet {
@@ -180,9 +192,26 @@ func newFlagSet(name string, cio IO, g *globals) *flagSet {
 	return &flagSet{FlagSet: fs, help: cio.Out}
 }
 
-// parse parses args and turns flag errors into one-line usage errors.
+// parse parses args, flags anywhere among the arguments, and turns flag
+// errors into one-line usage errors.
 func (fs *flagSet) parse(args []string) error {
-	err := fs.Parse(args)
+	var err error
+	fs.args = nil
+	for {
+		if err = fs.Parse(args); err != nil {
+			break
+		}
+		rest := fs.FlagSet.Args()
+		if len(rest) == 0 {
+			break
+		}
+		if len(args) > len(rest) && args[len(args)-len(rest)-1] == "--" {
+			fs.args = append(fs.args, rest...) // after "--", no more flags
+			break
+		}
+		fs.args = append(fs.args, rest[0])
+		args = rest[1:]
+	}
 	if errors.Is(err, flag.ErrHelp) {
 		fmt.Fprintf(fs.help, "Usage of %s:\n", fs.Name())
 		fs.SetOutput(fs.help)
@@ -193,6 +222,34 @@ func (fs *flagSet) parse(args []string) error {
 		return usageErr("%v (run %s -h)", err, fs.Name())
 	}
 	return nil
+}
+
+// subcommand finds a command's subcommand, its first argument that is not
+// a flag, whatever flags come before it (scan knows which of them take a
+// value), and returns it with the other arguments; "" when there is none.
+// The caller checks it against its subcommands (report redacts what it
+// echoes).
+func subcommand(args []string, scan *flag.FlagSet) (string, []string) {
+	for i := 0; i < len(args); i++ {
+		a := args[i]
+		if a == "--" {
+			break
+		}
+		if strings.HasPrefix(a, "-") && a != "-" {
+			name := strings.TrimLeft(a, "-")
+			if strings.Contains(name, "=") {
+				continue
+			}
+			if f := scan.Lookup(name); f != nil {
+				if b, ok := f.Value.(interface{ IsBoolFlag() bool }); !ok || !b.IsBoolFlag() {
+					i++ // its value
+				}
+			}
+			continue
+		}
+		return a, append(append([]string(nil), args[:i]...), args[i+1:]...)
+	}
+	return "", args
 }
 
 // isHelp reports whether a command's first argument asks for help.

@@ -17,6 +17,8 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
+
+	"github.com/idemkit/idem/migrate"
 )
 
 // resolveURL picks the connection string: --database-url, then
@@ -145,6 +147,13 @@ func requireMigrated(ctx context.Context, pool *pgxpool.Pool) error {
 	}
 	if !ok {
 		return withCode(ExitNotMigrated, errors.New("schema idem is not installed in this database, or is older than this idemctl: run `idemctl migrate up` first"))
+	}
+	// Behind this build: its statements may need what a later migration
+	// adds. (A role that may not read the version table is not stopped
+	// here; idem.grant_app and grant_maintainer give it that right.)
+	var version int64
+	if err := pool.QueryRow(ctx, `SELECT coalesce(max(version_id), 0) FROM idem.goose_db_version`).Scan(&version); err == nil && version < migrate.Latest() {
+		return withCode(ExitNotMigrated, fmt.Errorf("schema idem is at version %d, and this idemctl needs version %d: run `idemctl migrate up` first", version, migrate.Latest()))
 	}
 	return nil
 }

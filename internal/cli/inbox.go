@@ -41,20 +41,25 @@ func runInbox(ctx context.Context, io IO, g *globals, args []string) error {
 		flags(fs, "")
 		return subcommandHelp(io.Out, usage, fs)
 	}
-	if len(args) == 0 {
+	scan := newFlagSet("inbox", io, g)
+	flags(scan, "")
+	sub, rest := subcommand(args, scan.FlagSet)
+	if sub == "" {
 		return usageErr("inbox needs a subcommand: list or replay")
 	}
-	sub := args[0]
 	if sub != "list" && sub != "replay" {
 		return usageErr("unknown inbox subcommand %q: want list or replay", sub)
 	}
 	fs := newFlagSet("inbox "+sub, io, g)
 	flags(fs, sub)
-	if err := fs.parse(args[1:]); err != nil {
+	if err := fs.parse(rest); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {
 		return usageErr("inbox %s takes no arguments, got %q", sub, fs.Args())
+	}
+	if sub == "list" && f.Limit < 1 {
+		return usageErr("--limit %d must be at least 1", f.Limit)
 	}
 	if f.Key != "" && f.Source == "" {
 		return usageErr("--key needs --source")

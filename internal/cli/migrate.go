@@ -18,27 +18,34 @@ func init() {
 
 func runMigrate(ctx context.Context, io IO, g *globals, args []string) error {
 	fs := newFlagSet("migrate", io, g)
-	to := fs.Int64("to", -1, "up: apply migrations up to this version; down: roll back to this version (0 removes everything but the schema)")
+	var to *int64
+	optInt64(fs.FlagSet, &to, "to", "up: the latest; down: the previous version", "up: apply migrations up to this version; down: roll back to this version (0 removes everything but the schema)")
 	force := fs.Bool("force", false, "down: drop the stored keys too (a down to version 0 refuses while keys are stored)")
 	withRiver := fs.Bool("river", true, "up: also apply River's migrations (the inbox's queue; only the versions missing, safe next to an application's own River)")
 	riverSchema := fs.String("river-schema", "", "up: the schema of River's tables (default: the search_path, as River's own client)")
 	if len(args) > 0 && isHelp(args[0]) {
 		return subcommandHelp(io.Out, "migrate up [--to N] | down [--to N] [--force] | status | version [flags]", fs)
 	}
-	if len(args) == 0 {
+	sub, rest := subcommand(args, fs.FlagSet)
+	if sub == "" {
 		return usageErr("migrate needs a subcommand: up, down, status or version")
-	}
-	sub := args[0]
-	if err := fs.parse(args[1:]); err != nil {
-		return err
-	}
-	if fs.NArg() > 0 {
-		return usageErr("migrate %s takes no arguments, got %q", sub, fs.Args())
 	}
 	switch sub {
 	case "up", "down", "status", "version":
 	default:
 		return usageErr("unknown migrate subcommand %q: want up, down, status or version", sub)
+	}
+	if err := fs.parse(rest); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return usageErr("migrate %s takes no arguments, got %q", sub, fs.Args())
+	}
+	if to != nil && *to < 0 {
+		return usageErr("--to %d is not a version: give 0 or more (0: before the first migration)", *to)
+	}
+	if to != nil && sub != "up" && sub != "down" {
+		return usageErr("--to is for migrate up and down, not %s", sub)
 	}
 	log, err := g.logger(io.Err)
 	if err != nil {
@@ -58,7 +65,7 @@ func runMigrate(ctx context.Context, io IO, g *globals, args []string) error {
 	switch sub {
 	case "up":
 		var res []*goose.MigrationResult
-		if *to >= 0 {
+		if to != nil {
 			res, err = p.UpTo(ctx, *to)
 		} else {
 			res, err = p.Up(ctx)
@@ -72,7 +79,7 @@ func runMigrate(ctx context.Context, io IO, g *globals, args []string) error {
 		if len(res) == 0 {
 			fmt.Fprintln(io.Out, "idem schema is up to date")
 		}
-		if *withRiver && *to < 0 {
+		if *withRiver && to == nil {
 			versions, err := inbox.Migrate(ctx, pool, *riverSchema)
 			if err != nil {
 				return err
@@ -84,17 +91,17 @@ func runMigrate(ctx context.Context, io IO, g *globals, args []string) error {
 			}
 		}
 	case "down":
-		target := *to
-		if target < 0 {
-			if current, err := p.GetDBVersion(ctx); err == nil {
-				target = current - 1
-			}
+		var target int64
+		if to != nil {
+			target = *to
+		} else if current, err := p.GetDBVersion(ctx); err == nil {
+			target = current - 1
 		}
 		if err := migrate.GuardDown(ctx, db, p, target, *force); err != nil {
 			return withCode(ExitError, err)
 		}
 		var res []*goose.MigrationResult
-		if *to >= 0 {
+		if to != nil {
 			res, err = p.DownTo(ctx, *to)
 		} else {
 			var r *goose.MigrationResult

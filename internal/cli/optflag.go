@@ -39,6 +39,10 @@ func optInt(fs *flag.FlagSet, p **int, name string, def int, usage string) {
 	fs.Var(optional[int]{p, strconv.Atoi}, name, fmt.Sprintf("%s (default %d)", usage, def))
 }
 
+func optInt64(fs *flag.FlagSet, p **int64, name, def, usage string) {
+	fs.Var(optional[int64]{p, func(s string) (int64, error) { return strconv.ParseInt(s, 10, 64) }}, name, fmt.Sprintf("%s (default %s)", usage, def))
+}
+
 func optDuration(fs *flag.FlagSet, p **time.Duration, name, def, usage string) {
 	fs.Var(optional[time.Duration]{p, time.ParseDuration}, name, fmt.Sprintf("%s (default %s)", usage, def))
 }

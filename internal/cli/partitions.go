@@ -40,10 +40,13 @@ func runPartitions(ctx context.Context, io IO, g *globals, args []string) error 
 		r.register(fs.FlagSet, "")
 		return subcommandHelp(io.Out, "partitions rotate [flags] | list [--json]\n\nrotate: premake months, move default-partition rows, retire expired months; list: the partitions", fs)
 	}
-	if len(args) == 0 {
+	scan := newFlagSet("partitions", io, g)
+	var scanned rotateFlags
+	scanned.register(scan.FlagSet, "")
+	sub, rest := subcommand(args, scan.FlagSet)
+	if sub == "" {
 		return usageErr("partitions needs a subcommand: rotate or list")
 	}
-	sub := args[0]
 	fs := newFlagSet("partitions "+sub, io, g)
 	var r rotateFlags
 	asJSON := false
@@ -56,7 +59,7 @@ func runPartitions(ctx context.Context, io IO, g *globals, args []string) error 
 	default:
 		return usageErr("unknown partitions subcommand %q: want rotate or list", sub)
 	}
-	if err := fs.parse(args[1:]); err != nil {
+	if err := fs.parse(rest); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {

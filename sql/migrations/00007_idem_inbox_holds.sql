@@ -994,6 +994,10 @@ BEGIN
     -- The inbox's reconciliation and dead letters (keys and errors, no
     -- results, no payloads).
     EXECUTE format('GRANT SELECT ON idem.holds, idem.queue_counts TO %s', role);
+    -- The schema's version, for a program to tell it is behind.
+    IF to_regclass('idem.goose_db_version') IS NOT NULL THEN
+        EXECUTE format('GRANT SELECT ON idem.goose_db_version TO %s', role);
+    END IF;
 END
 $$;
 -- +goose StatementEnd
@@ -1034,6 +1038,10 @@ BEGIN
         idem.queue_replay(text, text, bigint, interval),
         idem.queue_hold(text, text, bigint, bigint),
         idem.queue_forget(text, text, bigint) TO %s', role);
+    -- The schema's version, for idemctl to tell it is behind.
+    IF to_regclass('idem.goose_db_version') IS NOT NULL THEN
+        EXECUTE format('GRANT SELECT ON idem.goose_db_version TO %s', role);
+    END IF;
 END
 $$;
 -- +goose StatementEnd
