@@ -16,6 +16,17 @@ type IdemDuplicateCount struct {
 	LastSeenAt pgtype.Timestamptz
 }
 
+type IdemHold struct {
+	Source string
+	Key    string
+	Token  int64
+	JobID  *int64
+	State  string
+	HeldAt pgtype.Timestamptz
+	DeadAt pgtype.Timestamptz
+	Error  *string
+}
+
 // Per source ('*': every source), an upper bound on expires_at - first_seen of its rows; a claim uses the larger of its source's and '*'. Only ever raised; managed by idem.
 type IdemLookback struct {
 	Source   string
@@ -82,6 +93,14 @@ type IdemProcessedEventsDefault struct {
 	ExpiresAt      pgtype.Timestamptz
 	Duplicates     int32
 	LastSeenAt     pgtype.Timestamptz
+}
+
+type IdemQueueCount struct {
+	Source    string
+	Slot      int32
+	Accepted  int64
+	Processed int64
+	Since     pgtype.Timestamptz
 }
 
 type Order struct {
