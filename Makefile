@@ -2,15 +2,15 @@
 # `make test` (what CI runs). Everything runs against a real PostgreSQL; the
 # test harness starts a throwaway one when IDEM_TEST_DATABASE_URL is unset.
 
-SQLC := go tool -modfile=tools/go.mod sqlc
+SQLC := GOWORK=off go tool -modfile=tools/go.mod sqlc
 
 .PHONY: test vet generate sqlc-check fuzz soak bench build ci
 
 test:
-	go test ./...
+	go test work
 
 vet:
-	go vet ./...
+	go vet work
 
 build:
 	go build -o bin/idemctl ./cmd/idemctl

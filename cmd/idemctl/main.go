@@ -8,7 +8,7 @@ import (
 	"os/signal"
 	"syscall"
 
-	"github.com/idemkit/idem/internal/cli"
+	"github.com/idemkit/idem/cmd/idemctl/internal/cli"
 )
 
 func main() {

@@ -83,7 +83,7 @@ func selectors(t *testing.T, expr string, recorded map[string]string) []string {
 func TestAlertRules(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	raw, err := os.ReadFile("../../docs/alerts.yml")
+	raw, err := os.ReadFile("../../../../docs/alerts.yml")
 	if err != nil {
 		t.Fatal(err)
 	}

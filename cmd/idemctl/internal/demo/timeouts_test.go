@@ -1,12 +1,15 @@
-package inbox_test
+package demo_test
 
 import (
 	"context"
 	"log/slog"
 	"testing"
 
-	"github.com/idemkit/idem/internal/demo"
+	"github.com/idemkit/idem/cmd/idemctl/internal/demo"
+	"github.com/idemkit/idem/internal/testdb"
 )
+
+func TestMain(m *testing.M) { testdb.Main(m) }
 
 // TestTimeoutStorm: a handler that takes 5 s behind a sender that gives up
 // after 2 s and retries. Asynchronously, every delivery is answered at
@@ -20,7 +23,7 @@ func TestTimeoutStorm(t *testing.T) {
 		name := map[bool]string{true: "async", false: "sync"}[async]
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			_, pool := setup(t)
+			pool := testdb.Pool(t, testdb.New(t), 40)
 			rep, err := demo.Timeouts(context.Background(), pool, demo.TimeoutsConfig{Async: async}, slog.New(slog.DiscardHandler))
 			if err != nil {
 				t.Fatal(err)

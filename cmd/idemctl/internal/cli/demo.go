@@ -11,7 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/idemkit/idem/internal/demo"
+	"github.com/idemkit/idem/cmd/idemctl/internal/demo"
 	"github.com/idemkit/idem/internal/partition"
 	"github.com/idemkit/idem/internal/pgcluster"
 	"github.com/idemkit/idem/internal/prune"
