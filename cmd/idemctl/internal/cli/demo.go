@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/url"
+	"os"
 	"text/tabwriter"
 	"time"
 
@@ -55,6 +57,17 @@ func runDemo(ctx context.Context, io IO, g *globals, args []string) error {
 		}()
 		g.databaseURL = c.URL("postgres")
 		fmt.Fprintf(io.Out, "PostgreSQL is up (port %d, data in %s)\n", c.Port, c.Dir)
+	} else {
+		// A given database is left exactly as it was: the demo runs in a
+		// scratch database of its own on the same server, dropped at the
+		// end (its keys, River's jobs, the lookbacks and counts it raises
+		// go with it).
+		scratch, drop, err := g.scratchDatabase(ctx, io)
+		if err != nil {
+			return err
+		}
+		defer drop()
+		g.databaseURL = scratch
 	}
 	// The receiver's tables go in schema idem_demo, first on the demo's
 	// search_path, so an existing database's own tables are never touched.
@@ -76,9 +89,10 @@ func runDemo(ctx context.Context, io IO, g *globals, args []string) error {
 	}
 	fmt.Fprintf(io.Out, "migrations applied: %d new\n", len(res))
 
-	if throwaway {
-		// Only in the throwaway database: pin a session's idem.clock() to
-		// just before midnight at the end of last month.
+	{
+		// The database is the demo's own (a throwaway server's, or a
+		// scratch one): pin a session's idem.clock() to just before
+		// midnight at the end of last month.
 		cfg.ExactCounts = true
 		cfg.CrossMonth = func(ctx context.Context, at time.Time) (*pgxpool.Pool, error) {
 			if _, err := pool.Exec(ctx, pgcluster.ClockOverrideSQL); err != nil {
@@ -172,4 +186,46 @@ func demoTimeouts(ctx context.Context, io IO, pool *pgxpool.Pool, log *slog.Logg
 	}
 	ok := async.AsyncOK() && sync.OnceEach() && async.ReconcileOK()
 	return ok, nil
+}
+
+// scratchDatabase creates a database of the demo's own on the server of
+// the given connection string and returns a connection string for it and
+// a function that drops it. Without the right to create one it refuses,
+// saying why: the demo never writes into the given database.
+func (g *globals) scratchDatabase(ctx context.Context, io IO) (string, func(), error) {
+	admin, err := g.connect(ctx, io.Env, 1)
+	if err != nil {
+		return "", nil, err
+	}
+	defer admin.Close()
+	name := fmt.Sprintf("idem_demo_%d_%d", os.Getpid(), time.Now().UnixNano()%1e9)
+	if _, err := admin.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
+		return "", nil, withCode(ExitUsage, fmt.Errorf("the demo runs in a scratch database of its own, so that it leaves the given one as it was, and could not create one: %w; give a role with CREATEDB, or run idemctl demo without --database-url for a throwaway server", err))
+	}
+	fmt.Fprintf(io.Out, "running in scratch database %s on the given server (dropped afterwards; the given database is not touched)\n", name)
+	drop := func() {
+		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+		defer cancel()
+		a, err := g.connect(dctx, io.Env, 1)
+		if err == nil {
+			_, err = a.Exec(dctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)")
+			a.Close()
+		}
+		if err != nil {
+			fmt.Fprintf(io.Err, "idemctl demo: could not drop scratch database %s: %s\n", name, redact(err.Error()))
+		}
+	}
+	return inDatabase(g.resolveURL(io.Env), name), drop, nil
+}
+
+// inDatabase is connection string conn pointed at database name.
+func inDatabase(conn, name string) string {
+	if u, err := url.Parse(conn); err == nil && (u.Scheme == "postgres" || u.Scheme == "postgresql") {
+		u.Path = "/" + name
+		q := u.Query()
+		q.Del("dbname")
+		u.RawQuery = q.Encode()
+		return u.String()
+	}
+	return conn + " dbname=" + name // a later keyword wins in a key=value string
 }
