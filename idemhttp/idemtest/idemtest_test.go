@@ -1,0 +1,107 @@
+package idemtest_test
+
+import (
+	"context"
+	"encoding/base64"
+	"net/http"
+	"net/http/httptest"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/idemhttp"
+	"github.com/idemkit/idem/idemhttp/idemtest"
+	"github.com/idemkit/idem/internal/testdb"
+)
+
+func TestMain(m *testing.M) { testdb.Main(m) }
+
+var swSecret = "whsec_" + base64.StdEncoding.EncodeToString([]byte("idemtest genuine key 0123456789"))
+
+// TestSenders: for each preset, the helper's deliveries are what the
+// preset expects. A genuine event, fired 20 times at once, runs the
+// handler once (the copies that lose the race get 409, the preset's
+// in-flight answer, or the replay); its redelivery is replayed; a forged
+// copy is refused; 10 distinct events each run once; a copy under a fresh
+// delivery id runs nothing for the body-signed senders.
+func TestSenders(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		sender *idemtest.Sender
+		preset idemhttp.Preset
+		// resendRuns: whether a Resend is a new event for the preset.
+		resendRuns bool
+	}{
+		{idemtest.Stripe("whsec_idemtest"), idemhttp.Stripe("whsec_idemtest"), false},
+		{idemtest.GitHub("gh secret"), idemhttp.GitHub("gh secret"), false},
+		{idemtest.Shopify("shpss_idemtest"), idemhttp.Shopify("shpss_idemtest"), false},
+		{idemtest.StandardWebhooks(swSecret), idemhttp.StandardWebhooks(swSecret), true},
+	} {
+		ev := tc.sender.Event("thing.happened", `{"id":"obj_1"}`)
+		t.Run(ev.Sender, func(t *testing.T) {
+			t.Parallel()
+			pool := testdb.Pool(t, testdb.New(t), 30)
+			runs := idemtest.Count(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				time.Sleep(50 * time.Millisecond) // in flight while the copies arrive
+				w.Write([]byte("done\n"))
+			}))
+			mw, err := idemhttp.New(idemhttp.Config{Client: idem.New(pool, nil)}.Apply(tc.preset))
+			if err != nil {
+				t.Fatal(err)
+			}
+			srv := httptest.NewServer(mw(runs))
+			t.Cleanup(srv.Close)
+
+			codes := idemtest.Fire(t, srv.URL, ev, 20)
+			if i := slices.IndexFunc(codes, func(c int) bool { return c != 200 && c != 409 }); i >= 0 {
+				t.Fatalf("codes %v", codes)
+			}
+			runs.AssertOnce(t, ev)
+
+			resp, body := idemtest.Send(t, srv.URL, tc.sender.Redeliver(ev))
+			if resp.StatusCode != 200 || resp.Header.Get(idemhttp.ReplayedHeader) != "true" || string(body) != "done\n" {
+				t.Fatalf("redelivery: %d %q %q", resp.StatusCode, resp.Header.Get(idemhttp.ReplayedHeader), body)
+			}
+			if resp, _ := idemtest.Send(t, srv.URL, tc.sender.Forge(ev)); resp.StatusCode != 401 {
+				t.Fatalf("forged: %d", resp.StatusCode)
+			}
+			var evs []*idemtest.Delivery
+			for range 10 {
+				evs = append(evs, tc.sender.Event("thing.happened", ""))
+			}
+			if codes := idemtest.FireAll(t, srv.URL, evs...); slices.ContainsFunc(codes, func(c int) bool { return c != 200 }) {
+				t.Fatalf("distinct events: %v", codes)
+			}
+			runs.AssertOnce(t, append(evs, ev)...)
+
+			before := runs.Total()
+			resp, _ = idemtest.Send(t, srv.URL, tc.sender.Resend(ev))
+			if ran := runs.Total() - before; ran != map[bool]int{true: 1, false: 0}[tc.resendRuns] || resp.StatusCode != 200 {
+				t.Fatalf("resend: %d, ran %d", resp.StatusCode, ran)
+			}
+		})
+	}
+}
+
+// TestWaitRuns: WaitRuns returns once the handler ran that often, and
+// Runs counts per event (its body).
+func TestWaitRuns(t *testing.T) {
+	t.Parallel()
+	runs := idemtest.Count(nil)
+	srv := httptest.NewServer(runs)
+	t.Cleanup(srv.Close)
+	ev := idemtest.Stripe("whsec_x").Event("a", "")
+	go func() {
+		time.Sleep(20 * time.Millisecond)
+		req, _ := ev.Request(context.Background(), srv.URL)
+		resp, err := http.DefaultClient.Do(req)
+		if err == nil {
+			resp.Body.Close()
+		}
+	}()
+	runs.WaitRuns(t, 1, 10*time.Second)
+	if runs.Of(ev) != 1 || runs.Total() != 1 {
+		t.Fatalf("of %d total %d", runs.Of(ev), runs.Total())
+	}
+}
