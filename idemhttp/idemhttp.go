@@ -129,8 +129,9 @@ type Config struct {
 	// and answered 202 Accepted at once, as is every duplicate of an
 	// accepted delivery; the wrapped handler is not called (the inbox's
 	// worker runs the processing). A key reused with another payload is
-	// 422; a failure to accept is 503, so the sender retries. See
-	// docs/inbox.md.
+	// 422; a failure to accept is 503, so the sender retries. Usually set
+	// by inbox.Inbox.HTTP, which also has the inbox's worker run the
+	// wrapped handler. See docs/inbox.md.
 	Async Acceptor
 	// KeepHeaders names request headers, besides Content-Type, User-Agent
 	// and the sender's own event, delivery and signature headers (a

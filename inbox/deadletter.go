@@ -28,18 +28,21 @@ type Filter struct {
 // job was gone. idem keeps it (idem.holds) until it is replayed or the
 // sender delivers it again; its payload is in its River job.
 type DeadLetter struct {
-	JobID                  int64
-	Source, Key, EventType string
-	Attempts               int
+	JobID     int64  `json:"job_id"`
+	Source    string `json:"source"`
+	Key       string `json:"key"`
+	EventType string `json:"event_type,omitempty"`
+	Attempts  int    `json:"attempts"`
 	// LastError is the reason it was dead-lettered: the handler's last
 	// error, or what was gone.
-	LastError            string
-	AcceptedAt, FailedAt time.Time
+	LastError  string    `json:"last_error"`
+	AcceptedAt time.Time `json:"accepted_at"`
+	FailedAt   time.Time `json:"failed_at"`
 	// State is the River job's (discarded, cancelled, ...), "" when the
 	// job is gone: then the payload is gone too (PayloadLost) and only the
 	// sender can deliver the event again.
-	State       rivertype.JobState
-	PayloadLost bool
+	State       rivertype.JobState `json:"state"`
+	PayloadLost bool               `json:"payload_lost"`
 	token       int64
 	job         Job
 }

@@ -31,6 +31,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -58,8 +59,9 @@ const Kind = "idem.inbox"
 var (
 	// ErrInvalidConfig: a Config field is out of range.
 	ErrInvalidConfig = errors.New("inbox: invalid config")
-	// ErrNoHandler: a worker client was asked for without Config.Handler.
-	ErrNoHandler = errors.New("inbox: Config.Handler is required to work jobs")
+	// ErrNoHandler: a worker was asked for, or a job ran, with no handler
+	// for its source (Config.Handler, Inbox.HTTP or Inbox.Handle).
+	ErrNoHandler = errors.New("inbox: no handler: set Config.Handler, or route a source with Inbox.HTTP or Inbox.Handle")
 )
 
 // Handler processes one delivery. It runs in a River worker, under the
@@ -106,8 +108,10 @@ type Config struct {
 	Pool *pgxpool.Pool
 	// Idem is the idem client (over Pool). Default: idem.New(Pool, nil).
 	Idem *idem.Client
-	// Handler processes deliveries; required to work jobs (NewWorkerClient,
-	// AddWorker), not to accept them.
+	// Handler processes the deliveries of every source that has no handler
+	// of its own (Inbox.HTTP, Inbox.Handle). A worker (NewWorkerClient,
+	// AddWorker) needs it or at least one routed source; accepting does
+	// not. Default: none.
 	Handler Handler
 	// Queue is the River queue of inbox jobs. Default "idem_inbox". An
 	// application that runs River itself must not list this queue in its
@@ -148,6 +152,9 @@ type Inbox struct {
 	cfg    Config
 	idem   *idem.Client
 	insert *river.Client[pgx.Tx]
+
+	mu     sync.RWMutex
+	routes map[string]Handler // per-source handlers (Handle, HTTP)
 }
 
 // New validates cfg and returns an Inbox; it does not touch the database.

@@ -161,6 +161,10 @@ func (w *worker) Work(ctx context.Context, job *river.Job[Job]) error {
 // the key, releases its hold and completes the job in that transaction.
 func (w *worker) run(ctx context.Context, job *river.Job[Job], cl *idem.Claim) error {
 	in, a := w.in, job.Args
+	h, err := in.handlerFor(a.Source)
+	if err != nil {
+		return err // retried, then a dead letter that names the source
+	}
 	tx, err := in.cfg.Pool.Begin(ctx)
 	if err != nil {
 		return err
@@ -172,7 +176,7 @@ func (w *worker) run(ctx context.Context, job *river.Job[Job], cl *idem.Claim) e
 	}()
 	d := &Delivery{Source: a.Source, Key: a.Key, EventType: a.EventType, Payload: a.Payload, Header: a.Header,
 		AcceptedAt: a.AcceptedAt, Attempt: job.Attempt}
-	result, err := call(ctx, in.cfg.Handler, tx, d)
+	result, err := call(ctx, h, tx, d)
 	if err != nil {
 		return err
 	}

@@ -44,7 +44,7 @@ func WorkerCapacity(maxConns int32) int {
 // work the inbox queue but shares its database: River's leader rescues
 // stuck jobs of every queue, and discards a kind it has no worker for.
 func (in *Inbox) AddWorker(workers *river.Workers) error {
-	if in.cfg.Handler == nil {
+	if !in.canWork() {
 		return ErrNoHandler
 	}
 	if err := river.AddWorkerSafely(workers, &worker{in: in}); err != nil {
@@ -70,7 +70,7 @@ func (in *Inbox) AddWorker(workers *river.Workers) error {
 // of -1 is refused: River never rescues a job with no timeout, so a
 // crashed worker's job would stay running forever.
 func (in *Inbox) NewWorkerClient(maxWorkers int, base *river.Config) (*river.Client[pgx.Tx], error) {
-	if in.cfg.Handler == nil {
+	if !in.canWork() {
 		return nil, ErrNoHandler
 	}
 	if maxWorkers == 0 {
