@@ -305,6 +305,11 @@ SELECT e.source::text                                                        AS 
        -- unlogged); per-key counts in the rows only when a policy asks.
        coalesce((SELECT sum(d.duplicates) FROM idem.duplicate_counts d
                   WHERE d.source = e.source), 0)::bigint                     AS duplicates,
+       -- 1 in duplicate_sampling duplicates is counted, as that many: with
+       -- sampling above 1 the count is an estimate (0: not counted).
+       coalesce((SELECT p.duplicate_sampling FROM idem.policies p
+                  WHERE p.source IN (e.source, '*')
+                  ORDER BY p.source = '*' LIMIT 1), 0)::integer              AS duplicate_sampling,
        (count(*) FILTER (WHERE e.attempts > 1))::bigint                      AS retried,
        (count(*) FILTER (WHERE e.status = 'processing'
                           AND e.lease_expires_at < idem.clock()))::bigint     AS stuck,
@@ -317,19 +322,20 @@ SELECT e.source::text                                                        AS 
 `
 
 type SourceStatsRow struct {
-	Source     string
-	Keys       int64
-	Processing int64
-	Completed  int64
-	Unstored   int64
-	Released   int64
-	Failed     int64
-	Duplicates int64
-	Retried    int64
-	Stuck      int64
-	Expired    int64
-	Oldest     pgtype.Timestamptz
-	Newest     pgtype.Timestamptz
+	Source            string
+	Keys              int64
+	Processing        int64
+	Completed         int64
+	Unstored          int64
+	Released          int64
+	Failed            int64
+	Duplicates        int64
+	DuplicateSampling int32
+	Retried           int64
+	Stuck             int64
+	Expired           int64
+	Oldest            pgtype.Timestamptz
+	Newest            pgtype.Timestamptz
 }
 
 // Per source: keys by status, duplicates absorbed, stuck and expired keys.
@@ -352,6 +358,7 @@ func (q *Queries) SourceStats(ctx context.Context) ([]SourceStatsRow, error) {
 			&i.Released,
 			&i.Failed,
 			&i.Duplicates,
+			&i.DuplicateSampling,
 			&i.Retried,
 			&i.Stuck,
 			&i.Expired,

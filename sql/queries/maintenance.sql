@@ -77,6 +77,11 @@ SELECT e.source::text                                                        AS 
        -- unlogged); per-key counts in the rows only when a policy asks.
        coalesce((SELECT sum(d.duplicates) FROM idem.duplicate_counts d
                   WHERE d.source = e.source), 0)::bigint                     AS duplicates,
+       -- 1 in duplicate_sampling duplicates is counted, as that many: with
+       -- sampling above 1 the count is an estimate (0: not counted).
+       coalesce((SELECT p.duplicate_sampling FROM idem.policies p
+                  WHERE p.source IN (e.source, '*')
+                  ORDER BY p.source = '*' LIMIT 1), 0)::integer              AS duplicate_sampling,
        (count(*) FILTER (WHERE e.attempts > 1))::bigint                      AS retried,
        (count(*) FILTER (WHERE e.status = 'processing'
                           AND e.lease_expires_at < idem.clock()))::bigint     AS stuck,

@@ -24,7 +24,11 @@ type sourceStats struct {
 	Released      int64      `json:"released_for_retry"`
 	Failed        int64      `json:"failed_permanently"`
 	Duplicates    int64      `json:"duplicates"`
-	DuplicateRate float64    `json:"duplicate_rate"`
+	// DuplicateSampling is the source's policy: 1 in that many duplicates
+	// is counted, as that many, so Duplicates and DuplicateRate are
+	// estimates when it is above 1, and not counted at 0.
+	DuplicateSampling int32   `json:"duplicate_sampling"`
+	DuplicateRate     float64 `json:"duplicate_rate"`
 	Retried       int64      `json:"retried"`
 	Stuck         int64      `json:"stuck_past_lease"`
 	Expired       int64      `json:"expired_not_pruned"`
@@ -65,7 +69,7 @@ func runStats(ctx context.Context, io IO, g *globals, args []string) error {
 	var out statsOut
 	for _, r := range rows {
 		s := sourceStats{Source: r.Source, Keys: r.Keys, Processing: r.Processing, Completed: r.Completed,
-			Unstored: r.Unstored, Released: r.Released, Failed: r.Failed, Duplicates: r.Duplicates, Retried: r.Retried, Stuck: r.Stuck, Expired: r.Expired}
+			Unstored: r.Unstored, Released: r.Released, Failed: r.Failed, Duplicates: r.Duplicates, DuplicateSampling: r.DuplicateSampling, Retried: r.Retried, Stuck: r.Stuck, Expired: r.Expired}
 		// Each key is one new delivery; every other delivery was a duplicate.
 		if total := r.Keys + r.Duplicates; total > 0 {
 			s.DuplicateRate = float64(r.Duplicates) / float64(total)
@@ -102,8 +106,9 @@ func runStats(ctx context.Context, io IO, g *globals, args []string) error {
 		if s.Oldest != nil {
 			oldest, newest = s.Oldest.Format(time.DateTime), s.Newest.Format(time.DateTime)
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%.1f%%\t%d\t%d\t%d\t%s\t%s\n", s.Source, s.Keys, s.Processing,
-			s.Completed, s.Unstored, s.Released, s.Failed, s.Duplicates, 100*s.DuplicateRate, s.Retried, s.Stuck, s.Expired, oldest, newest)
+		dups, rate := s.duplicates()
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%d\t%s\t%s\t%d\t%d\t%d\t%s\t%s\n", s.Source, s.Keys, s.Processing,
+			s.Completed, s.Unstored, s.Released, s.Failed, dups, rate, s.Retried, s.Stuck, s.Expired, oldest, newest)
 	}
 	if len(out.Sources) == 0 {
 		fmt.Fprintln(tw, "(no keys)")
@@ -123,6 +128,19 @@ func runStats(ctx context.Context, io IO, g *globals, args []string) error {
 	}
 	printPartitions(tw, out.Partitions)
 	return tw.Flush()
+}
+
+// duplicates prints the duplicate count and rate as what they are: exact
+// when every duplicate is counted, "~" estimates with the sample rate
+// when 1 in N is, "-" when none is.
+func (s sourceStats) duplicates() (count, rate string) {
+	switch {
+	case s.DuplicateSampling <= 0:
+		return "- (not counted)", "-"
+	case s.DuplicateSampling == 1:
+		return fmt.Sprint(s.Duplicates), fmt.Sprintf("%.1f%%", 100*s.DuplicateRate)
+	}
+	return fmt.Sprintf("~%d (1 in %d counted)", s.Duplicates, s.DuplicateSampling), fmt.Sprintf("~%.1f%%", 100*s.DuplicateRate)
 }
 
 // known prints a count, or "?" for one that could not be read (-1).

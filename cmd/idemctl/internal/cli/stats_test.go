@@ -35,6 +35,10 @@ func TestStats(t *testing.T) {
 	}); !errors.Is(err, idem.ErrResultNotStored) {
 		t.Fatalf("unstorable result: %v", err)
 	}
+	// Duplicates at the default sampling, 1 in 8: printed as estimates.
+	for range 17 {
+		_, _ = c.Do(ctx, "sampled", "k", func(context.Context) (any, error) { return 1, nil })
+	}
 	// Two failures released for a retry, one for good.
 	for _, k := range []string{"r1", "r2"} {
 		_, _ = c.Do(ctx, "shopify", k, func(context.Context) (any, error) { return nil, errors.New("try again") })
@@ -57,8 +61,11 @@ func TestStats(t *testing.T) {
 		by[s.Source] = s
 	}
 	st := by["stripe"]
-	if st.Keys != 10 || st.Completed != 10 || st.Duplicates != 30 || st.DuplicateRate != 0.75 {
+	if st.Keys != 10 || st.Completed != 10 || st.Duplicates != 30 || st.DuplicateRate != 0.75 || st.DuplicateSampling != 1 {
 		t.Errorf("stripe stats: %+v", st)
+	}
+	if s := by["sampled"]; s.DuplicateSampling != 8 || s.Duplicates%8 != 0 {
+		t.Errorf("sampled duplicates: %+v, want a multiple of 8 and duplicate_sampling 8", s)
 	}
 	gh := by["github"]
 	if gh.Keys != 2 || gh.Processing != 2 || gh.Stuck != 1 {
@@ -79,8 +86,8 @@ func TestStats(t *testing.T) {
 	for _, p := range out.Partitions {
 		rows += p.EstRows
 	}
-	if rows != 16 {
-		t.Errorf("rows over the partitions before ANALYZE: %d, want the 16 stored", rows)
+	if rows != 17 {
+		t.Errorf("rows over the partitions before ANALYZE: %d, want the 17 stored", rows)
 	}
 	r = idemctl(t, ctx, nil, "stats", "--database-url", url)
 	if r.code != 0 || !strings.Contains(r.out, "75.0%") || !strings.Contains(r.out, "processed_events_default") || !strings.Contains(r.out, "NO RESULT") || !strings.Contains(r.out, "RETRY") {
@@ -88,6 +95,14 @@ func TestStats(t *testing.T) {
 	}
 	if strings.Contains(r.out+r.errout, "password") {
 		t.Fatal("stats printed a password")
+	}
+	for _, line := range strings.Split(r.out, "\n") {
+		if strings.HasPrefix(line, "sampled ") && !strings.Contains(line, "(1 in 8 counted)") {
+			t.Errorf("sampled duplicates not printed as an estimate: %q", line)
+		}
+		if strings.HasPrefix(line, "stripe ") && (!strings.Contains(line, " 30 ") || strings.Contains(line, "~")) {
+			t.Errorf("exact duplicates not printed exactly: %q", line)
+		}
 	}
 }
 
