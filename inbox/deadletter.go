@@ -99,9 +99,9 @@ type ReplayResult struct {
 	// key; left as it is), "failed" (the key failed for good, e.g. past
 	// its policy's max_attempts; left as it is, with Error), or "payload
 	// lost" (its job is gone: only the sender can deliver it again).
-	Outcome  string
-	NewJobID int64
-	Error    string
+	Outcome  string `json:"outcome"`
+	NewJobID int64  `json:"new_job_id,omitempty"`
+	Error    string `json:"error,omitempty"`
 }
 
 // Replay re-enqueues the dead letters f selects through the same claim as

@@ -70,7 +70,7 @@ func TestInboxCommands(t *testing.T) {
 	if r.code != 0 || !strings.Contains(r.out, "order-1") || !strings.Contains(r.out, "no such product: sku-42") || !strings.Contains(r.out, "orders/create") {
 		t.Fatalf("inbox list: %d\n%s%s", r.code, r.out, r.errout)
 	}
-	if r := idemctl(t, ctx, env, "inbox", "list", "--since", "1h", "--json"); r.code != 0 || !strings.Contains(r.out, `"Key": "order-1"`) {
+	if r := idemctl(t, ctx, env, "inbox", "list", "--since", "1h", "--json"); r.code != 0 || !strings.Contains(r.out, `"key": "order-1"`) {
 		t.Fatalf("inbox list --since --json: %d\n%s%s", r.code, r.out, r.errout)
 	}
 	if r := idemctl(t, ctx, env, "inbox", "replay", "--source", "shop", "--dry-run"); r.code != 0 || !strings.Contains(r.out, "would replay 1") {
