@@ -54,7 +54,7 @@ func TestConfigValidate(t *testing.T) {
 			}
 			c := idem.New(pool, cfg)
 			res, err := c.Do(ctx, "cfg", "valid-"+name, func(context.Context) (any, error) { return map[string]int{"ok": 1}, nil })
-			if err != nil || string(res.Result) != `{"ok":1}` {
+			if err != nil || string(res.Result) != `{"ok": 1}` {
 				t.Fatalf("Do: %+v %v", res, err)
 			}
 		})

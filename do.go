@@ -14,10 +14,12 @@ import (
 
 // Result is what Do returns for a key whose work is done.
 type Result struct {
-	// Result is the stored result: what this call's work returned, or, for
-	// a duplicate, what the first delivery's work returned (as stored:
-	// jsonb normalizes white space and key order). nil when the work
-	// returned nil or its result could not be stored (see NotStored).
+	// Result is the stored result, the same bytes for the call whose work
+	// ran and for every duplicate: the work's value as JSON in jsonb's text
+	// form (PostgreSQL normalizes white space, key order and duplicate
+	// keys; `{"b":1,"a":[1,2]}` reads back as `{"a": [1, 2], "b": 1}`).
+	// nil when the work returned nil or its result could not be stored
+	// (see NotStored).
 	Result json.RawMessage
 	// Replayed is true when the work was not run because it was done before.
 	Replayed bool
@@ -109,11 +111,13 @@ func (c *Client) Do(ctx context.Context, source, key string, fn func(ctx context
 
 	raw, err := marshalResult(value)
 	if err == nil {
-		err = c.record(ctx, source, key, func(ctx context.Context) error {
-			return c.Complete(ctx, source, key, cl.Token, raw)
+		var stored json.RawMessage
+		err = c.record(ctx, source, key, func(ctx context.Context) (err error) {
+			stored, err = c.complete(ctx, source, key, cl.Token, raw, true)
+			return err
 		})
 		if err == nil {
-			res.Result = raw
+			res.Result = stored
 			return res, nil
 		}
 	}

@@ -1,11 +1,14 @@
 package idem_test
 
 import (
+	"bytes"
 	"context"
 	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"reflect"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -63,7 +66,7 @@ func TestDoOutcomes(t *testing.T) {
 		runs := 0
 		work := func(context.Context) (any, error) { runs++; return map[string]int{"n": 42}, nil }
 		first, err := c.Do(ctx, "s", "replay", work)
-		if err != nil || first.Replayed || string(first.Result) != `{"n":42}` {
+		if err != nil || first.Replayed || string(first.Result) != `{"n": 42}` {
 			t.Fatalf("first: %+v %v", first, err)
 		}
 		second, err := c.Do(ctx, "s", "replay", work)
@@ -251,5 +254,90 @@ func TestResultReplayedByteForByte(t *testing.T) {
 		if i == 0 && string(first) != want {
 			t.Fatalf("normal-form result changed:\n got %s\nwant %s", first, want)
 		}
+	}
+}
+
+// TestDoSameBytes: Do gives the call whose work ran the very bytes its
+// duplicates get (the stored, jsonb form), for a value, a json.RawMessage
+// in another form, and nil, on a pool, in a pgx.Tx and through
+// database/sql (alone and in a *sql.Tx); DoValue decodes the same value
+// for both.
+func TestDoSameBytes(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.Pool(t, url, 4)
+	c := idem.New(pool, nil)
+	db, err := sql.Open("pgx", url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	type invoice struct {
+		ID     string   `json:"id"`
+		Amount int      `json:"amount"`
+		Tags   []string `json:"tags"`
+	}
+	values := map[string]any{
+		"struct": invoice{ID: "in_1", Amount: 4200, Tags: []string{"b", "a"}},
+		"raw":    json.RawMessage(`{ "zz":1,"a" : [1,2.50],"a":"dup" }`),
+		"nil":    nil,
+	}
+	modes := map[string]func(t *testing.T) (*idem.Client, func()){
+		"pool": func(*testing.T) (*idem.Client, func()) { return c, func() {} },
+		"pgx.Tx": func(t *testing.T) (*idem.Client, func()) {
+			tx, err := pool.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return c.WithTx(tx), func() { _ = tx.Commit(ctx) }
+		},
+		"sql.DB": func(*testing.T) (*idem.Client, func()) { return idem.NewSQL(db, nil), func() {} },
+		"sql.Tx": func(t *testing.T) (*idem.Client, func()) {
+			tx, err := db.BeginTx(ctx, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return idem.NewSQL(db, nil).WithSQLTx(tx), func() { _ = tx.Commit() }
+		},
+	}
+	for mode, open := range modes {
+		for name, v := range values {
+			t.Run(mode+"/"+name, func(t *testing.T) {
+				key := mode + "/" + name
+				cc, commit := open(t)
+				first, err := cc.Do(ctx, "same", key, func(context.Context) (any, error) { return v, nil })
+				commit()
+				if err != nil {
+					t.Fatal(err)
+				}
+				dup, err := c.Do(ctx, "same", key, func(context.Context) (any, error) { t.Fatal("ran twice"); return nil, nil })
+				if err != nil || !dup.Replayed {
+					t.Fatalf("duplicate: %+v %v", dup, err)
+				}
+				if !bytes.Equal(first.Result, dup.Result) || (v == nil) != (first.Result == nil) {
+					t.Fatalf("first caller got %q, duplicates %q", first.Result, dup.Result)
+				}
+			})
+		}
+	}
+	// DoValue: the same value for the first call and for a duplicate.
+	want := invoice{ID: "in_2", Amount: 1, Tags: []string{"x"}}
+	for i := range 2 {
+		got, err := idem.DoValue(ctx, c, "same", "typed", func(context.Context) (invoice, error) { return want, nil })
+		if err != nil || !reflect.DeepEqual(got, want) {
+			t.Fatalf("DoValue call %d: %+v %v", i+1, got, err)
+		}
+	}
+	// A result too large to store: the first call and its duplicates say so.
+	big := func(context.Context) (string, error) { return strings.Repeat("x", 2<<20), nil }
+	for i := range 2 {
+		if got, err := idem.DoValue(ctx, c, "same", "big", big); !errors.Is(err, idem.ErrResultNotStored) || got != "" {
+			t.Fatalf("DoValue of an unstorable result, call %d: %q… %v", i+1, got[:min(len(got), 8)], err)
+		}
+	}
+	// A stored result that is not a T.
+	if _, err := idem.DoValue(ctx, c, "same", "typed", func(context.Context) (int, error) { return 0, nil }); err == nil || !strings.Contains(err.Error(), "decode the stored result") {
+		t.Fatalf("DoValue into the wrong type: %v", err)
 	}
 }

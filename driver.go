@@ -47,7 +47,9 @@ type claimArgs struct {
 // query packages; each method is one protocol call.
 type driver interface {
 	claim(ctx context.Context, a claimArgs) (*Claim, error)
-	complete(ctx context.Context, source, key string, token int64, result []byte) (string, error)
+	// complete completes the key; with echo (and a result) it also returns
+	// the result as stored, in jsonb's text form.
+	complete(ctx context.Context, source, key string, token int64, result []byte, echo bool) (outcome string, stored []byte, err error)
 	completeUnstored(ctx context.Context, source, key string, token int64, reason string) (string, error)
 	fail(ctx context.Context, source, key string, token int64, msg string, retryable bool) (string, error)
 	extend(ctx context.Context, source, key string, token int64, lease time.Duration) (string, time.Time, error)
@@ -208,16 +210,21 @@ func (d pgxDriver) claim(ctx context.Context, a claimArgs) (*Claim, error) {
 	}, nil
 }
 
-func (d pgxDriver) complete(ctx context.Context, source, key string, token int64, result []byte) (string, error) {
+func (d pgxDriver) complete(ctx context.Context, source, key string, token int64, result []byte, echo bool) (string, []byte, error) {
 	// The result travels as text: a []byte parameter is bytea to PostgreSQL
 	// when pgx does not describe the statement first (exec and simple
 	// protocol modes, which PgBouncer setups use).
-	var text *string
-	if result != nil {
-		s := string(result)
-		text = &s
+	if result == nil || !echo {
+		var text *string
+		if result != nil {
+			s := string(result)
+			text = &s
+		}
+		out, err := d.q.Complete(ctx, pgxdb.CompleteParams{Source: source, Key: key, Token: token, Result: text})
+		return out, nil, err
 	}
-	return d.q.Complete(ctx, pgxdb.CompleteParams{Source: source, Key: key, Token: token, Result: text})
+	row, err := d.q.CompleteStored(ctx, pgxdb.CompleteStoredParams{Source: source, Key: key, Token: token, Result: string(result)})
+	return row.Outcome, []byte(row.Stored), err
 }
 
 func (d pgxDriver) completeUnstored(ctx context.Context, source, key string, token int64, reason string) (string, error) {
@@ -276,9 +283,14 @@ func (d sqlDriver) claim(ctx context.Context, a claimArgs) (*Claim, error) {
 	return c, nil
 }
 
-func (d sqlDriver) complete(ctx context.Context, source, key string, token int64, result []byte) (string, error) {
-	return d.q.Complete(ctx, sqldb.CompleteParams{Source: source, Key: key, Token: token,
-		Result: sql.NullString{String: string(result), Valid: result != nil}})
+func (d sqlDriver) complete(ctx context.Context, source, key string, token int64, result []byte, echo bool) (string, []byte, error) {
+	if result == nil || !echo {
+		out, err := d.q.Complete(ctx, sqldb.CompleteParams{Source: source, Key: key, Token: token,
+			Result: sql.NullString{String: string(result), Valid: result != nil}})
+		return out, nil, err
+	}
+	row, err := d.q.CompleteStored(ctx, sqldb.CompleteStoredParams{Source: source, Key: key, Token: token, Result: string(result)})
+	return row.Outcome, []byte(row.Stored), err
 }
 
 func (d sqlDriver) completeUnstored(ctx context.Context, source, key string, token int64, reason string) (string, error) {

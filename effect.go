@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"strings"
@@ -235,34 +234,6 @@ func (c *Client) Effect(ctx context.Context, name string, fn func(ctx context.Co
 		return res, e
 	}
 	return res, nil
-}
-
-// EffectValue is Effect for a function returning a T: the result is stored
-// as JSON and decoded into a T, on the first run as on every replay, so
-// the caller sees the same value each time (T must survive a JSON round
-// trip). A replay of an effect whose result could not be stored returns
-// the zero T and an error matching ErrResultNotStored.
-func EffectValue[T any](ctx context.Context, c *Client, name string, fn func(ctx context.Context) (T, error), opts ...EffectOption) (T, error) {
-	var zero T
-	res, err := c.Effect(ctx, name, func(ctx context.Context) (any, error) { return fn(ctx) }, opts...)
-	if err != nil {
-		return zero, err
-	}
-	fail := func(err error) (T, error) {
-		ev, _ := EventFrom(ctx) // Effect found it
-		return zero, &EffectError{Name: name, EventSource: ev.Source, EventKey: ev.Key, Err: err}
-	}
-	if res.Result == nil {
-		if res.NotStored != "" {
-			return fail(fmt.Errorf("%w: %s", ErrResultNotStored, res.NotStored))
-		}
-		return zero, nil
-	}
-	var v T
-	if err := json.Unmarshal(res.Result, &v); err != nil {
-		return fail(fmt.Errorf("decode the stored result: %w", err))
-	}
-	return v, nil
 }
 
 // EffectKey returns the key of the effect name of the event (source, key):

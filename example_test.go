@@ -31,9 +31,37 @@ func ExampleClient_Do() {
 	}
 	// Output:
 	// charging the customer
-	// delivery 1: result {"charged":4200}, replayed false
+	// delivery 1: result {"charged": 4200}, replayed false
 	// delivery 2: result {"charged": 4200}, replayed true
 	// delivery 3: result {"charged": 4200}, replayed true
+}
+
+// DoValue: typed work, the same value for the delivery that ran it and for
+// every duplicate (decoded from the stored result each time).
+func ExampleDoValue() {
+	ctx := context.Background()
+	pool, done := testdb.ExamplePool()
+	defer done()
+	c := idem.New(pool, nil)
+
+	type booking struct {
+		Invoice string `json:"invoice"`
+		Cents   int    `json:"cents"`
+	}
+	for delivery := 1; delivery <= 2; delivery++ {
+		b, err := idem.DoValue(ctx, c, "stripe", "evt_3PqT", func(ctx context.Context) (booking, error) {
+			fmt.Println("booking the payment")
+			return booking{Invoice: "in_1", Cents: 4200}, nil
+		})
+		if err != nil {
+			log.Fatal(err)
+		}
+		fmt.Printf("delivery %d: %+v\n", delivery, b)
+	}
+	// Output:
+	// booking the payment
+	// delivery 1: {Invoice:in_1 Cents:4200}
+	// delivery 2: {Invoice:in_1 Cents:4200}
 }
 
 // Claim, do the work, complete: the protocol step by step, with what a

@@ -265,18 +265,24 @@ func (c *Client) claim(ctx context.Context, source, key string, opts []ClaimOpti
 // token. It returns ErrStaleToken if another worker owns the key now, and
 // nil when the same token already completed it.
 func (c *Client) Complete(ctx context.Context, source, key string, token int64, result json.RawMessage) error {
+	_, err := c.complete(ctx, source, key, token, result, false)
+	return err
+}
+
+// complete is Complete; with echo it returns the result as stored.
+func (c *Client) complete(ctx context.Context, source, key string, token int64, result json.RawMessage, echo bool) (json.RawMessage, error) {
 	if err := c.check("complete", source, key); err != nil {
-		return err
+		return nil, err
 	}
 	if result != nil && !json.Valid(result) {
-		return &Error{Op: "complete", Source: source, Key: key, Kind: ErrInvalidInput,
+		return nil, &Error{Op: "complete", Source: source, Key: key, Kind: ErrInvalidInput,
 			Err: errorString("result is not valid JSON")}
 	}
-	out, err := c.d.complete(ctx, source, key, token, result)
+	out, stored, err := c.d.complete(ctx, source, key, token, result, echo)
 	if err != nil {
-		return convert("complete", source, key, err)
+		return nil, convert("complete", source, key, err)
 	}
-	return outcomeErr("complete", source, key, out)
+	return stored, outcomeErr("complete", source, key, out)
 }
 
 // CompleteUnstored marks the work owned by token done without a result:

@@ -108,6 +108,40 @@ func (q *Queries) Complete(ctx context.Context, arg CompleteParams) (string, err
 	return outcome, err
 }
 
+const completeStored = `-- name: CompleteStored :one
+SELECT idem.complete($1::text, $2::text, $3::bigint, r.result)::text AS outcome,
+       r.result::text                                                                               AS stored
+  FROM (SELECT $4::text::jsonb AS result OFFSET 0) r
+`
+
+type CompleteStoredParams struct {
+	Source string
+	Key    string
+	Token  int64
+	Result string
+}
+
+type CompleteStoredRow struct {
+	Outcome string
+	Stored  string
+}
+
+// Complete, returning the result as stored (jsonb's text form: normalized
+// white space and key order): what every later claim of the key returns, so
+// Do gives its first caller the same bytes as its duplicates. OFFSET 0 keeps
+// the result parsed once.
+func (q *Queries) CompleteStored(ctx context.Context, arg CompleteStoredParams) (CompleteStoredRow, error) {
+	row := q.db.QueryRow(ctx, completeStored,
+		arg.Source,
+		arg.Key,
+		arg.Token,
+		arg.Result,
+	)
+	var i CompleteStoredRow
+	err := row.Scan(&i.Outcome, &i.Stored)
+	return i, err
+}
+
 const completeUnstored = `-- name: CompleteUnstored :one
 SELECT idem.complete_unstored($1::text, $2::text, $3::bigint,
                               $4::text)::text AS outcome

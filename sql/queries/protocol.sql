@@ -27,6 +27,15 @@ SELECT c.outcome::text             AS outcome,
 SELECT idem.complete(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.arg(token)::bigint,
                      sqlc.narg(result)::text::jsonb)::text AS outcome;
 
+-- name: CompleteStored :one
+-- Complete, returning the result as stored (jsonb's text form: normalized
+-- white space and key order): what every later claim of the key returns, so
+-- Do gives its first caller the same bytes as its duplicates. OFFSET 0 keeps
+-- the result parsed once.
+SELECT idem.complete(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.arg(token)::bigint, r.result)::text AS outcome,
+       r.result::text                                                                               AS stored
+  FROM (SELECT sqlc.arg(result)::text::jsonb AS result OFFSET 0) r;
+
 -- name: CompleteUnstored :one
 SELECT idem.complete_unstored(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.arg(token)::bigint,
                               sqlc.arg(reason)::text)::text AS outcome;

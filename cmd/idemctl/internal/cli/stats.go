@@ -16,24 +16,24 @@ func init() {
 }
 
 type sourceStats struct {
-	Source        string     `json:"source"`
-	Keys          int64      `json:"keys"`
-	Processing    int64      `json:"processing"`
-	Completed     int64      `json:"completed"`
-	Unstored      int64      `json:"completed_result_not_stored"`
-	Released      int64      `json:"released_for_retry"`
-	Failed        int64      `json:"failed_permanently"`
-	Duplicates    int64      `json:"duplicates"`
+	Source     string `json:"source"`
+	Keys       int64  `json:"keys"`
+	Processing int64  `json:"processing"`
+	Completed  int64  `json:"completed"`
+	Unstored   int64  `json:"completed_result_not_stored"`
+	Released   int64  `json:"released_for_retry"`
+	Failed     int64  `json:"failed_permanently"`
+	Duplicates int64  `json:"duplicates"`
 	// DuplicateSampling is the source's policy: 1 in that many duplicates
 	// is counted, as that many, so Duplicates and DuplicateRate are
 	// estimates when it is above 1, and not counted at 0.
-	DuplicateSampling int32   `json:"duplicate_sampling"`
-	DuplicateRate     float64 `json:"duplicate_rate"`
-	Retried       int64      `json:"retried"`
-	Stuck         int64      `json:"stuck_past_lease"`
-	Expired       int64      `json:"expired_not_pruned"`
-	Oldest        *time.Time `json:"oldest,omitempty"`
-	Newest        *time.Time `json:"newest,omitempty"`
+	DuplicateSampling int32      `json:"duplicate_sampling"`
+	DuplicateRate     float64    `json:"duplicate_rate"`
+	Retried           int64      `json:"retried"`
+	Stuck             int64      `json:"stuck_past_lease"`
+	Expired           int64      `json:"expired_not_pruned"`
+	Oldest            *time.Time `json:"oldest,omitempty"`
+	Newest            *time.Time `json:"newest,omitempty"`
 }
 
 type statsOut struct {
