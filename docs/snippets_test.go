@@ -128,6 +128,13 @@ func readmeMigrate(ctx context.Context) error {
 	return err
 }
 
+// README.md, River's migrations for the inbox.
+func readmeMigrateInbox(ctx context.Context, pool *pgxpool.Pool) error {
+	versions, err := inbox.Migrate(ctx, pool, "") // River's migrations ("" = the search_path), then GrantRiver
+	useAll(versions)
+	return err
+}
+
 // docs/effects.md.
 func effectsDoc(ctx context.Context, c *idem.Client) {
 	res, err := c.Do(ctx, "stripe", event.ID, func(ctx context.Context) (any, error) {
