@@ -48,7 +48,11 @@ func benchInbox(ctx context.Context, e *env, o options, t *table) error {
 		return err
 	}
 	t.throughputRow("inbox", fmt.Sprintf("accept (claim + InsertTx, one transaction) vs a synchronous claim, %d clients", clients), cmp, "information: the price of answering first")
-	if _, err := e.pool.Exec(ctx, `DELETE FROM river_job WHERE queue = 'bench_inbox'`); err != nil {
+	// The accepted events are held for their jobs: release both, or the
+	// worker client's Repair would (rightly) dead-letter every one whose
+	// job is gone, inside the end-to-end rounds below.
+	if _, err := e.pool.Exec(ctx, `DELETE FROM idem.holds WHERE source = 'bench-inbox';
+	                               DELETE FROM river_job WHERE queue = 'bench_inbox'`); err != nil {
 		return err
 	}
 

@@ -118,9 +118,13 @@ func runDemo(ctx context.Context, io IO, g *globals, args []string) error {
 		tok, err = demoTimeouts(ctx, io, pool, quiet)
 	}
 	if !*keep {
-		if _, derr := pool.Exec(context.WithoutCancel(ctx), "DROP SCHEMA IF EXISTS "+pgx.Identifier{demoSchema}.Sanitize()+" CASCADE"); derr != nil {
-			log.LogAttrs(ctx, slog.LevelWarn, "could not drop the demo schema", slog.Any("error", derr))
-		}
+		// Dropped at the end, after the stats below have read River's jobs
+		// (River's tables are in this schema too).
+		defer func() {
+			if _, derr := pool.Exec(context.WithoutCancel(ctx), "DROP SCHEMA IF EXISTS "+pgx.Identifier{demoSchema}.Sanitize()+" CASCADE"); derr != nil {
+				log.LogAttrs(ctx, slog.LevelWarn, "could not drop the demo schema", slog.Any("error", derr))
+			}
+		}()
 	}
 	if err != nil {
 		return err
@@ -138,7 +142,7 @@ func runDemo(ctx context.Context, io IO, g *globals, args []string) error {
 		return fmt.Errorf("prune: %w", err)
 	}
 	fmt.Fprintf(io.Out, "  prune: %d expired rows deleted (the demo's keys are kept %d days)\n\n", pr.Deleted, int(demo.KeyTTL.Hours()/24))
-	if err := runStats(ctx, io, &globals{}, []string{"--database-url", pool.Config().ConnString()}); err != nil {
+	if err := runStats(ctx, io, &globals{}, []string{"--database-url", pool.Config().ConnString(), "--river-schema", demoSchema}); err != nil {
 		return fmt.Errorf("stats: %w", err)
 	}
 	if !rep.OK() || !tok {

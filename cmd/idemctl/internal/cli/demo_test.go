@@ -65,6 +65,10 @@ func TestDemo(t *testing.T) {
 						t.Errorf("demo output lacks %q", want)
 					}
 				}
+				// The stats read River's jobs too: a balanced line, no error.
+				if strings.Contains(r.out, "\ninbox: ") || !regexpLine(r.out, `^timeouts-async\s+(\d+)\s+\d+\s+0\s+0\s+0\s+0\s+0\s+true\s*$`) {
+					t.Errorf("demo's inbox reconciliation is not complete:\n%s", r.out)
+				}
 			}
 			if after := snapshot(); after != before {
 				t.Fatalf("the demo changed the given database:\nbefore:\n%s\nafter:\n%s", before, after)
