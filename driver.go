@@ -41,6 +41,7 @@ type claimArgs struct {
 	source, key, fingerprint, eventType string
 	ttl, lease                          time.Duration
 	lockWait                            *time.Duration // nil: the database's default
+	wait                                time.Duration  // WithWait: 0, no waiting
 }
 
 // driver is the thin seam between the public API and the two generated
@@ -53,6 +54,11 @@ type driver interface {
 	completeUnstored(ctx context.Context, source, key string, token int64, reason string) (string, error)
 	fail(ctx context.Context, source, key string, token int64, msg string, retryable bool) (string, error)
 	extend(ctx context.Context, source, key string, token int64, lease time.Duration) (string, time.Time, error)
+	// peek reads the key's status and remaining lease (status "" when
+	// there is no row); waitBegin and waitEnd register a waiter.
+	peek(ctx context.Context, source, key string) (string, time.Duration, error)
+	waitBegin(ctx context.Context, source, key string, wait time.Duration) (int64, error)
+	waitEnd(ctx context.Context, id int64) error
 	// concurrent reports whether the executor may be used from several
 	// goroutines at once (a pool), which Do's heartbeat needs.
 	concurrent() bool
@@ -240,6 +246,17 @@ func (d pgxDriver) extend(ctx context.Context, source, key string, token int64, 
 	return row.Outcome, tsOf(row.LeaseExpiresAt), err
 }
 
+func (d pgxDriver) peek(ctx context.Context, source, key string) (string, time.Duration, error) {
+	row, err := d.q.Peek(ctx, pgxdb.PeekParams{Source: source, Key: key})
+	return row.Status, time.Duration(row.LeaseRemainingMs) * time.Millisecond, err
+}
+
+func (d pgxDriver) waitBegin(ctx context.Context, source, key string, wait time.Duration) (int64, error) {
+	return d.q.WaitBegin(ctx, pgxdb.WaitBeginParams{Source: source, Key: key, WaitMs: max(wait.Milliseconds(), 1)})
+}
+
+func (d pgxDriver) waitEnd(ctx context.Context, id int64) error { return d.q.WaitEnd(ctx, id) }
+
 type sqlDriver struct {
 	q  *sqldb.Queries
 	db SQLExecutor
@@ -306,3 +323,14 @@ func (d sqlDriver) extend(ctx context.Context, source, key string, token int64, 
 	row, err := d.q.Extend(ctx, sqldb.ExtendParams{Source: source, Key: key, Token: token, LeaseMs: nullMs(lease)})
 	return row.Outcome, row.LeaseExpiresAt.Time, err
 }
+
+func (d sqlDriver) peek(ctx context.Context, source, key string) (string, time.Duration, error) {
+	row, err := d.q.Peek(ctx, sqldb.PeekParams{Source: source, Key: key})
+	return row.Status, time.Duration(row.LeaseRemainingMs) * time.Millisecond, err
+}
+
+func (d sqlDriver) waitBegin(ctx context.Context, source, key string, wait time.Duration) (int64, error) {
+	return d.q.WaitBegin(ctx, sqldb.WaitBeginParams{Source: source, Key: key, WaitMs: max(wait.Milliseconds(), 1)})
+}
+
+func (d sqlDriver) waitEnd(ctx context.Context, id int64) error { return d.q.WaitEnd(ctx, id) }

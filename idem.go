@@ -27,6 +27,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/db/sqldb"
 )
@@ -147,13 +148,18 @@ type Client struct {
 	cfgErr error
 	mode   *execMode      // pgx clients: shared with the clients WithTx derives
 	wait   *time.Duration // Config.LockWait as claim's lock_wait: nil for the database's default
+	hub    *hub           // pgx pool clients: the waiters' listener (WithWait)
 }
 
 // New returns a Client over a pgx pool, connection or transaction.
 func New(db PgxExecutor, cfg *Config) *Client {
 	c, err := defaults(cfg)
 	mode := &execMode{fixed: c.QueryExecMode, log: c.Logger}
-	return &Client{d: newPgxDriver(db, mode), cfg: c, cfgErr: err, mode: mode, wait: lockWait(c.LockWait)}
+	cl := &Client{d: newPgxDriver(db, mode), cfg: c, cfgErr: err, mode: mode, wait: lockWait(c.LockWait)}
+	if pool, ok := db.(*pgxpool.Pool); ok {
+		cl.hub = newHub(pool, c.Logger)
+	}
+	return cl
 }
 
 // NewSQL returns a Client over database/sql: a *sql.DB, *sql.Conn or *sql.Tx.
@@ -254,9 +260,17 @@ func (c *Client) claim(ctx context.Context, source, key string, opts []ClaimOpti
 	if err := c.check("claim", source, key, a.fingerprint, a.eventType); err != nil {
 		return nil, err
 	}
+	if err := c.checkWait(&a); err != nil {
+		return nil, err
+	}
 	cl, err := c.d.claim(ctx, a)
 	if err != nil {
 		return nil, convert("claim", source, key, err)
+	}
+	if cl.Outcome == InProgress && a.wait > 0 {
+		if cl, err = c.waitFor(ctx, a, cl); err != nil {
+			return nil, err
+		}
 	}
 	return cl, nil
 }

@@ -110,6 +110,15 @@ type Config struct {
 	// extended while the handler runs, so it only needs to outlast a
 	// crashed worker's silence.
 	TTL, Lease time.Duration
+	// Wait, when set, makes a duplicate that arrives while the first
+	// request is still running wait up to Wait for the first one's answer
+	// and replay it (or run the handler itself, if the first one failed
+	// and released the key), instead of answering 409 at once; past Wait
+	// it answers 409 as without it. Synchronous mode only (asynchronous
+	// mode answers every delivery at once). See idem.WithWait: notified
+	// through LISTEN/NOTIFY, polling behind a transaction pooler. Default
+	// (0): no waiting; at most idem.MaxWait.
+	Wait time.Duration
 	// HandlerTimeout is the server's own deadline for the handler. The
 	// handler's context is detached from the request's: a sender that
 	// times out and hangs up does not cancel work that has started, and
@@ -229,6 +238,9 @@ func New(cfg Config) (func(http.Handler) http.Handler, error) {
 	}
 	if cfg.TTL < 0 || cfg.Lease < 0 {
 		return nil, fmt.Errorf("idemhttp: TTL %v and Lease %v must not be negative (0: the source's policy)", cfg.TTL, cfg.Lease)
+	}
+	if cfg.Wait < 0 || cfg.Wait > idem.MaxWait {
+		return nil, fmt.Errorf("idemhttp: Wait %v must be between 0 (no waiting) and %v", cfg.Wait, idem.MaxWait)
 	}
 	if cfg.HandlerTimeout < 0 {
 		return nil, fmt.Errorf("idemhttp: HandlerTimeout %v must not be negative (0: the default %v)", cfg.HandlerTimeout, DefaultHandlerTimeout)
@@ -351,6 +363,9 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 	}
 	if m.cfg.Lease > 0 {
 		opts = append(opts, idem.WithLease(m.cfg.Lease))
+	}
+	if m.cfg.Wait > 0 {
+		opts = append(opts, idem.WithWait(m.cfg.Wait))
 	}
 
 	// Detached from the request: once the handler starts, the sender

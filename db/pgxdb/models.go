@@ -102,3 +102,10 @@ type IdemQueueCount struct {
 	Processed int64
 	Since     pgtype.Timestamptz
 }
+
+type IdemWaiter struct {
+	ID     int64
+	Source string
+	Key    string
+	Until  pgtype.Timestamptz
+}

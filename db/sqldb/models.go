@@ -105,3 +105,10 @@ type IdemQueueCount struct {
 	Processed int64
 	Since     sql.NullTime
 }
+
+type IdemWaiter struct {
+	ID     int64
+	Source string
+	Key    string
+	Until  sql.NullTime
+}

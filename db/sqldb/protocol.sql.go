@@ -223,3 +223,57 @@ func (q *Queries) Fail(ctx context.Context, arg FailParams) (string, error) {
 	err := row.Scan(&outcome)
 	return outcome, err
 }
+
+const peek = `-- name: Peek :one
+SELECT coalesce(p.status, '')::text               AS status,
+       coalesce(p.lease_remaining_ms, 0)::bigint AS lease_remaining_ms
+  FROM idem.peek($1::text, $2::text) AS p
+`
+
+type PeekParams struct {
+	Source string
+	Key    string
+}
+
+type PeekRow struct {
+	Status           string
+	LeaseRemainingMs int64
+}
+
+// The key's status and remaining lease, read-only (no duplicate counted).
+// status ” when there is no row.
+func (q *Queries) Peek(ctx context.Context, arg PeekParams) (PeekRow, error) {
+	row := q.db.QueryRowContext(ctx, peek, arg.Source, arg.Key)
+	var i PeekRow
+	err := row.Scan(&i.Status, &i.LeaseRemainingMs)
+	return i, err
+}
+
+const waitBegin = `-- name: WaitBegin :one
+SELECT idem.wait_begin($1::text, $2::text,
+                       $3::bigint * interval '1 millisecond')::bigint AS id
+`
+
+type WaitBeginParams struct {
+	Source string
+	Key    string
+	WaitMs int64
+}
+
+// A duplicate that waits for the key's original registers, so that the
+// original's completion notifies channel idem_done (migration 8).
+func (q *Queries) WaitBegin(ctx context.Context, arg WaitBeginParams) (int64, error) {
+	row := q.db.QueryRowContext(ctx, waitBegin, arg.Source, arg.Key, arg.WaitMs)
+	var id int64
+	err := row.Scan(&id)
+	return id, err
+}
+
+const waitEnd = `-- name: WaitEnd :exec
+SELECT idem.wait_end($1::bigint)
+`
+
+func (q *Queries) WaitEnd(ctx context.Context, id int64) error {
+	_, err := q.db.ExecContext(ctx, waitEnd, id)
+	return err
+}

@@ -49,3 +49,19 @@ SELECT e.outcome::text                AS outcome,
        e.lease_expires_at::timestamptz AS lease_expires_at
   FROM idem.extend(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.arg(token)::bigint,
                    sqlc.narg(lease_ms)::bigint * interval '1 millisecond') AS e;
+
+-- name: WaitBegin :one
+-- A duplicate that waits for the key's original registers, so that the
+-- original's completion notifies channel idem_done (migration 8).
+SELECT idem.wait_begin(sqlc.arg(source)::text, sqlc.arg(key)::text,
+                       sqlc.arg(wait_ms)::bigint * interval '1 millisecond')::bigint AS id;
+
+-- name: WaitEnd :exec
+SELECT idem.wait_end(sqlc.arg(id)::bigint);
+
+-- name: Peek :one
+-- The key's status and remaining lease, read-only (no duplicate counted).
+-- status '' when there is no row.
+SELECT coalesce(p.status, '')::text               AS status,
+       coalesce(p.lease_remaining_ms, 0)::bigint AS lease_remaining_ms
+  FROM idem.peek(sqlc.arg(source)::text, sqlc.arg(key)::text) AS p;

@@ -103,6 +103,13 @@ type IdemQueueCount struct {
 	Since     pgtype.Timestamptz
 }
 
+type IdemWaiter struct {
+	ID     int64
+	Source string
+	Key    string
+	Until  pgtype.Timestamptz
+}
+
 type Order struct {
 	OrderID    string
 	Customer   string

@@ -1,0 +1,206 @@
+package idem
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// waitChannel is the channel idem's trigger notifies (migration 8).
+const waitChannel = "idem_done"
+
+// Listener timings.
+const (
+	listenIdle    = 10 * time.Second // the connection closes this long after the last waiter left
+	listenProbe   = 2 * time.Second  // how long the self-test waits for its own notification
+	listenBackoff = time.Minute      // after a failed start, poll only for this long
+)
+
+// hub multiplexes one LISTEN connection for all of a pool client's
+// waiters: it connects when the first waiter comes, checks that its own
+// notification arrives (behind a transaction pooler it does not), wakes
+// the waiters of each key notified, and closes once no one has waited for
+// listenIdle.
+type hub struct {
+	pool *pgxpool.Pool
+	log  *slog.Logger
+
+	mu      sync.Mutex
+	subs    map[string]map[*hubWaiter]struct{}
+	n       int
+	running bool      // a listener goroutine exists
+	live    bool      // it listens and passed its self-test
+	noUntil time.Time // after a failed start: do not try again before
+	stop    context.CancelFunc
+	idle    *time.Timer
+}
+
+type hubWaiter struct {
+	key string
+	ch  chan struct{}
+}
+
+func newHub(pool *pgxpool.Pool, log *slog.Logger) *hub {
+	return &hub{pool: pool, log: log, subs: map[string]map[*hubWaiter]struct{}{}}
+}
+
+// subscribe registers a waiter for key, starting the listener if needed.
+func (h *hub) subscribe(key string) *hubWaiter {
+	w := &hubWaiter{key: key, ch: make(chan struct{}, 1)}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.subs[key] == nil {
+		h.subs[key] = map[*hubWaiter]struct{}{}
+	}
+	h.subs[key][w] = struct{}{}
+	h.n++
+	if h.idle != nil {
+		h.idle.Stop()
+		h.idle = nil
+	}
+	if !h.running && time.Now().After(h.noUntil) {
+		ctx, cancel := context.WithCancel(context.Background())
+		h.running, h.stop = true, cancel
+		go h.run(ctx)
+	}
+	return w
+}
+
+func (h *hub) unsubscribe(w *hubWaiter) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	delete(h.subs[w.key], w)
+	if len(h.subs[w.key]) == 0 {
+		delete(h.subs, w.key)
+	}
+	h.n--
+	if h.n == 0 && h.running && h.idle == nil {
+		stop := h.stop
+		h.idle = time.AfterFunc(listenIdle, func() {
+			h.mu.Lock()
+			defer h.mu.Unlock()
+			if h.n == 0 && h.idle != nil {
+				h.idle = nil
+				stop()
+			}
+		})
+	}
+}
+
+// mayListen: notifications may arrive (listening, or starting up).
+func (h *hub) mayListen() bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.running
+}
+
+// listening: the listener passed its self-test and runs.
+func (h *hub) listening() bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.live
+}
+
+// wake wakes the waiters of key ("" wakes every waiter).
+func (h *hub) wake(key string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for k, ws := range h.subs {
+		if key != "" && k != key {
+			continue
+		}
+		for w := range ws {
+			select {
+			case w.ch <- struct{}{}:
+			default:
+			}
+		}
+	}
+}
+
+// run listens until ctx ends or the connection fails; then the waiters
+// poll (and the next subscriber, past noUntil, starts a listener again).
+func (h *hub) run(ctx context.Context) {
+	err := h.listen(ctx)
+	h.mu.Lock()
+	h.running, h.live = false, false
+	if err != nil && ctx.Err() == nil {
+		// A pooler will not change its mind soon; a lost connection (a
+		// restart, a failover) is tried again at once by the next waiter.
+		h.noUntil = time.Now().Add(time.Second)
+		if errors.Is(err, errNoSelfNotify) {
+			h.noUntil = time.Now().Add(listenBackoff)
+		}
+	}
+	h.mu.Unlock()
+	h.wake("") // they look again, and poll from now on
+	if err != nil && ctx.Err() == nil {
+		h.log.LogAttrs(context.Background(), slog.LevelInfo, "idem: waiting duplicates poll instead of listening",
+			slog.Time("until", h.noUntil), slog.Any("reason", err))
+	}
+}
+
+var errNoSelfNotify = errors.New("LISTEN receives no notifications on this connection (a transaction pooler such as PgBouncer in transaction mode?)")
+
+func (h *hub) listen(ctx context.Context) error {
+	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	conn, err := pgx.ConnectConfig(cctx, h.pool.Config().ConnConfig.Copy())
+	cancel()
+	if err != nil {
+		return err
+	}
+	defer func() {
+		cctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = conn.Close(cctx)
+	}()
+	if _, err := conn.Exec(ctx, "LISTEN "+waitChannel); err != nil {
+		return err
+	}
+	// Self-test: our own notification, sent from the pool, must arrive.
+	b := make([]byte, 8)
+	_, _ = rand.Read(b)
+	probe := "probe:" + hex.EncodeToString(b)
+	if _, err := h.pool.Exec(ctx, `SELECT pg_catalog.pg_notify($1, $2)`, waitChannel, probe); err != nil {
+		return err
+	}
+	deadline := time.Now().Add(listenProbe)
+	for {
+		pctx, cancel := context.WithDeadline(ctx, deadline)
+		n, err := conn.WaitForNotification(pctx)
+		cancel()
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			if errors.Is(err, context.DeadlineExceeded) {
+				return errNoSelfNotify
+			}
+			return err
+		}
+		if n.Payload == probe {
+			break
+		}
+		h.wake(n.Payload)
+	}
+	h.mu.Lock()
+	h.live = true
+	h.mu.Unlock()
+	for {
+		n, err := conn.WaitForNotification(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return err
+		}
+		h.wake(n.Payload)
+	}
+}

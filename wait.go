@@ -1,0 +1,118 @@
+package idem
+
+import (
+	"context"
+	"crypto/md5"
+	"encoding/hex"
+	"fmt"
+	"time"
+)
+
+// MaxWait is the longest WithWait accepted.
+const MaxWait = time.Hour
+
+// WithWait makes a claim that finds its key in progress (another worker
+// runs it) wait up to d for that worker to finish, instead of answering
+// InProgress at once: when the original completes, the claim answers
+// Completed with its result (Do replays it, without running the work);
+// when it fails or its lease lapses, the claim acquires the key (Do runs
+// the work); past d, it answers InProgress as without the option. 0 (the
+// default) does not wait; at most MaxWait.
+//
+// Waiting needs a pool-backed client (New over a *pgxpool.Pool, or NewSQL
+// over a *sql.DB): inside a transaction a claim cannot wait for another
+// (ErrInvalidInput). A pgx pool's client is woken by PostgreSQL's
+// LISTEN/NOTIFY on one connection of its own, shared by all its waiters
+// and opened only while some wait (the original's completion notifies only
+// when someone waits: migration 8). Where notifications cannot arrive, it
+// polls the key's status with backoff (10 ms doubling to 250 ms): behind a
+// transaction pooler such as PgBouncer in transaction mode (LISTEN needs a
+// session of its own; the client finds out by notifying itself when it
+// starts listening) and on database/sql clients. A waiting duplicate polls
+// with idem.peek, read-only, so it is counted as a duplicate once.
+func WithWait(d time.Duration) ClaimOption { return func(a *claimArgs) { a.wait = d } }
+
+// waitKey is the notification payload of a key (idem.wait_channel_key).
+func waitKey(source, key string) string {
+	sum := md5.Sum([]byte(source + "\x1f" + key))
+	return hex.EncodeToString(sum[:])
+}
+
+// checkWait validates WithWait's duration for a claim on this client.
+func (c *Client) checkWait(a *claimArgs) error {
+	switch {
+	case a.wait < 0 || a.wait > MaxWait:
+		return &Error{Op: "claim", Source: a.source, Key: a.key, Kind: ErrInvalidInput,
+			Err: fmt.Errorf("WithWait %v must be between 0 and %v", a.wait, MaxWait)}
+	case a.wait > 0 && !c.d.concurrent():
+		return &Error{Op: "claim", Source: a.source, Key: a.key, Kind: ErrInvalidInput,
+			Err: errorString("WithWait needs a pool-backed client: a claim inside a transaction cannot wait for another worker (it could hold what that worker needs)")}
+	}
+	return nil
+}
+
+// waitFor waits, after cl answered InProgress, until the key is no longer
+// in progress (then claims again and returns that answer) or a.wait has
+// passed (then returns cl). The caller's cancellation is an error.
+func (c *Client) waitFor(ctx context.Context, a claimArgs, cl *Claim) (*Claim, error) {
+	wctx, cancel := context.WithTimeout(ctx, a.wait)
+	defer cancel()
+	var notified <-chan struct{}
+	if c.hub != nil {
+		w := c.hub.subscribe(waitKey(a.source, a.key))
+		defer c.hub.unsubscribe(w)
+		notified = w.ch
+		if c.hub.mayListen() {
+			// Registered, the original's completion notifies; an error
+			// here leaves polling, which needs no registration.
+			if id, err := c.d.waitBegin(wctx, a.source, a.key, a.wait); err == nil {
+				defer func() {
+					ectx, ecancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+					defer ecancel()
+					_ = c.d.waitEnd(ectx, id)
+				}()
+			}
+		}
+	}
+	pause, lease := 10*time.Millisecond, cl.LeaseRemaining
+	for {
+		// Look first: the original may have finished before we registered.
+		status, left, err := c.d.peek(wctx, a.source, a.key)
+		if err == nil && (status != "processing" || left <= 0) {
+			next, err := c.d.claim(wctx, a)
+			if err != nil {
+				if wctx.Err() != nil && ctx.Err() == nil {
+					return cl, nil // the wait ended mid-claim
+				}
+				return nil, convert("claim", a.source, a.key, err)
+			}
+			if next.Outcome != InProgress {
+				return next, nil
+			}
+			cl, lease = next, next.LeaseRemaining // held (the inbox), or taken over meanwhile
+		} else if err == nil {
+			lease = left
+		}
+		maxPause := 250 * time.Millisecond
+		if c.hub != nil && c.hub.listening() {
+			maxPause = time.Second // notified; polling only covers a lease that lapses
+		}
+		sleep := pause
+		if lease > 0 && lease < sleep {
+			sleep = lease + time.Millisecond // look again the moment the lease lapses
+		}
+		pause = min(pause*2, maxPause)
+		t := time.NewTimer(sleep)
+		select {
+		case <-notified:
+		case <-t.C:
+		case <-wctx.Done():
+			t.Stop()
+			if err := ctx.Err(); err != nil {
+				return nil, convert("claim", a.source, a.key, err)
+			}
+			return cl, nil
+		}
+		t.Stop()
+	}
+}

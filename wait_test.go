@@ -1,0 +1,159 @@
+package idem_test
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/internal/testdb"
+)
+
+// TestWait: a claim with WithWait on a key in progress answers as the
+// original ends: Completed with its result, Acquired when it failed and
+// released the key, Acquired when its worker died and the lease lapsed (no
+// notification: the waiter looks again when the lease ends), InProgress
+// past the wait. On a pgx pool and through database/sql (which polls).
+func TestWait(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.Pool(t, url, 8)
+	db, err := sql.Open("pgx", url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	for name, c := range map[string]*idem.Client{"pgx": idem.New(pool, nil), "database/sql": idem.NewSQL(db, nil)} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			key := func(k string) string { return name + "/" + k }
+			// in waits in a goroutine for key; its answer arrives on the channel.
+			in := func(k string, wait time.Duration) <-chan *idem.Claim {
+				ch := make(chan *idem.Claim, 1)
+				go func() {
+					cl, err := c.Claim(ctx, "w", key(k), idem.WithWait(wait))
+					if err != nil {
+						t.Error(err)
+					}
+					ch <- cl
+				}()
+				return ch
+			}
+			t.Run("completed", func(t *testing.T) {
+				orig, _ := c.Claim(ctx, "w", key("done"))
+				ch := in("done", 10*time.Second)
+				time.Sleep(300 * time.Millisecond)
+				if err := c.Complete(ctx, "w", key("done"), orig.Token, json.RawMessage(`{"n":1}`)); err != nil {
+					t.Fatal(err)
+				}
+				if cl := <-ch; cl.Outcome != idem.Completed || string(cl.Result) != `{"n": 1}` {
+					t.Fatalf("%+v", cl)
+				}
+			})
+			t.Run("released", func(t *testing.T) {
+				orig, _ := c.Claim(ctx, "w", key("released"))
+				ch := in("released", 10*time.Second)
+				time.Sleep(300 * time.Millisecond)
+				if err := c.Fail(ctx, "w", key("released"), orig.Token, "try again", true); err != nil {
+					t.Fatal(err)
+				}
+				if cl := <-ch; cl.Outcome != idem.Acquired || cl.Attempt != 2 {
+					t.Fatalf("%+v", cl)
+				}
+			})
+			t.Run("lease lapses", func(t *testing.T) {
+				_, _ = c.Claim(ctx, "w", key("died"), idem.WithLease(time.Second))
+				start := time.Now()
+				if cl := <-in("died", 10*time.Second); cl.Outcome != idem.Acquired || time.Since(start) < 900*time.Millisecond {
+					t.Fatalf("%+v after %v", cl, time.Since(start))
+				}
+			})
+			t.Run("bound", func(t *testing.T) {
+				_, _ = c.Claim(ctx, "w", key("slow"))
+				start := time.Now()
+				cl := <-in("slow", 400*time.Millisecond)
+				if d := time.Since(start); cl.Outcome != idem.InProgress || d < 400*time.Millisecond || d > 2*time.Second {
+					t.Fatalf("%+v after %v", cl, d)
+				}
+			})
+		})
+	}
+}
+
+// TestWaitRefused: a wait out of range, or inside a transaction, is
+// refused with ErrInvalidInput before anything runs.
+func TestWaitRefused(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, c := setup(t)
+	for _, d := range []time.Duration{-time.Second, idem.MaxWait + time.Second} {
+		if _, err := c.Claim(ctx, "w", "k", idem.WithWait(d)); !errors.Is(err, idem.ErrInvalidInput) {
+			t.Errorf("WithWait(%v): %v", d, err)
+		}
+	}
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		_, err := c.WithTx(tx).Claim(ctx, "w", "k", idem.WithWait(time.Second))
+		return err
+	})
+	if !errors.Is(err, idem.ErrInvalidInput) {
+		t.Errorf("WithWait in a transaction: %v", err)
+	}
+}
+
+// TestNotifyOnlyWhenWaited: a completion notifies channel idem_done only
+// when a waiter registered for its key (NOTIFY serializes commits
+// cluster-wide; nobody pays for it unasked), and the payload is the key's
+// digest.
+func TestNotifyOnlyWhenWaited(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.Pool(t, url, 4)
+	c := idem.New(pool, nil)
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close(context.Background()) })
+	if _, err := conn.Exec(ctx, `LISTEN idem_done`); err != nil {
+		t.Fatal(err)
+	}
+	next := func() string {
+		wctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
+		defer cancel()
+		n, err := conn.WaitForNotification(wctx)
+		if err != nil {
+			return ""
+		}
+		return n.Payload
+	}
+	cl, _ := c.Claim(ctx, "n", "unwatched")
+	_ = c.Complete(ctx, "n", "unwatched", cl.Token, nil)
+	if p := next(); p != "" {
+		t.Fatalf("a completion nobody waited for notified %q", p)
+	}
+	cl, _ = c.Claim(ctx, "n", "watched")
+	var id int64
+	if err := pool.QueryRow(ctx, `SELECT idem.wait_begin('n', 'watched', '1 minute')`).Scan(&id); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.Complete(ctx, "n", "watched", cl.Token, nil)
+	var want string
+	_ = pool.QueryRow(ctx, `SELECT md5('n' || E'\x1f' || 'watched')`).Scan(&want)
+	if p := next(); p != want {
+		t.Fatalf("notified %q, want %q", p, want)
+	}
+	if _, err := pool.Exec(ctx, `SELECT idem.wait_end($1)`, id); err != nil {
+		t.Fatal(err)
+	}
+	var n int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem.waiters`).Scan(&n); err != nil || n != 0 {
+		t.Fatalf("%d waiters left (%v)", n, err)
+	}
+}
