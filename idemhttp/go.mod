@@ -16,9 +16,15 @@ require (
 	github.com/jackc/puddle/v2 v2.2.3 // indirect
 	github.com/mfridman/interpolate v0.0.2 // indirect
 	github.com/sethvargo/go-retry v0.5.0 // indirect
+	github.com/tidwall/match v1.1.1 // indirect
+	github.com/tidwall/pretty v1.2.0 // indirect
 	go.uber.org/multierr v1.11.0 // indirect
 	golang.org/x/sync v0.24.0 // indirect
 	golang.org/x/text v0.43.0 // indirect
 )
 
-require github.com/idemkit/idem v0.0.0-00010101000000-000000000000
+require (
+	github.com/idemkit/idem v0.0.0-00010101000000-000000000000
+	github.com/tidwall/gjson v1.20.0
+)
+

@@ -1,0 +1,178 @@
+package idemhttp
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"strings"
+
+	"github.com/tidwall/gjson"
+
+	"github.com/idemkit/idem"
+)
+
+// ErrKeyField: the body has no usable value at a key's JSON path (missing,
+// null, an object, an array, a boolean, a fraction, empty), or is not
+// JSON. The middleware answers 400 and claims nothing: a key is never
+// made of an empty or absent field. Errors are *KeyFieldError.
+var ErrKeyField = errors.New("idemhttp: no usable key field")
+
+// KeyFieldError names the path and what was found there.
+type KeyFieldError struct {
+	Path    string // "" for the body as a whole
+	Problem string
+}
+
+func (e *KeyFieldError) Error() string {
+	if e.Path == "" {
+		return "idemhttp: key from the JSON body: " + e.Problem
+	}
+	return fmt.Sprintf("idemhttp: key field %q: %s", e.Path, e.Problem)
+}
+
+// Is matches ErrKeyField.
+func (e *KeyFieldError) Is(target error) bool { return target == ErrKeyField }
+
+// maxKey is idem's limit on a key, in bytes.
+const maxKey = 512
+
+// JSONKey keys by the values at paths in the JSON body, in gjson's path
+// syntax ("data.object.id", "items.0.sku"; see github.com/tidwall/gjson),
+// joined with ":" in the order given when there are several. Every path
+// is required, and must hold a non-empty string or an integer; anything
+// else is an ErrKeyField error naming the path (answered 400, nothing
+// claimed), never an empty or partial key. typePath, when not "", is the
+// event type's field (optional: absent gives no type).
+//
+//	idemhttp.Config{Client: c, Source: "orders", Key: idemhttp.JSONKey("type", "data.object.id")}
+func JSONKey(typePath string, paths ...string) KeyFunc {
+	return func(_ *http.Request, body []byte) (string, string, error) {
+		if len(paths) == 0 {
+			return "", "", &KeyFieldError{Problem: "JSONKey was given no path"}
+		}
+		if !gjson.ValidBytes(body) {
+			return "", "", &KeyFieldError{Problem: "the body is not JSON"}
+		}
+		parts := make([]string, len(paths))
+		for i, p := range paths {
+			v, err := keyValue(body, p)
+			if err != nil {
+				return "", "", err
+			}
+			parts[i] = v
+		}
+		key := strings.Join(parts, ":")
+		if len(key) > maxKey {
+			return "", "", &KeyFieldError{Path: strings.Join(paths, ","), Problem: fmt.Sprintf("the key would be %d bytes, over idem's %d", len(key), maxKey)}
+		}
+		typ := ""
+		if typePath != "" {
+			if t := gjson.GetBytes(body, typePath); t.Type == gjson.String {
+				typ = t.Str
+			}
+		}
+		return key, typ, nil
+	}
+}
+
+// keyValue is the key part at path: a non-empty string, or an integer in
+// its JSON form.
+func keyValue(body []byte, path string) (string, error) {
+	v := gjson.GetBytes(body, path)
+	problem := ""
+	switch {
+	case !v.Exists():
+		problem = "not in the body"
+	case v.Type == gjson.String && strings.TrimSpace(v.Str) == "":
+		problem = "an empty string"
+	case v.Type == gjson.String:
+		return v.Str, nil
+	case v.Type == gjson.Number && isInteger(v.Raw):
+		return v.Raw, nil
+	case v.Type == gjson.Number:
+		problem = "a number with a fraction or exponent (" + idem.Quote(v.Raw) + "); keys are strings or integers"
+	case v.Type == gjson.Null:
+		problem = "null"
+	case v.IsArray():
+		problem = "an array"
+	case v.IsObject():
+		problem = "an object"
+	default:
+		problem = "a boolean"
+	}
+	return "", &KeyFieldError{Path: path, Problem: problem}
+}
+
+func isInteger(raw string) bool {
+	raw = strings.TrimPrefix(raw, "-")
+	if raw == "" {
+		return false
+	}
+	for i := 0; i < len(raw); i++ {
+		if raw[i] < '0' || raw[i] > '9' {
+			return false
+		}
+	}
+	return true
+}
+
+// Compose keys by several KeyFuncs at once (headers and JSON fields, say),
+// their keys joined with ":" in order; each must give a key (an empty one
+// is an ErrKeyField error naming its position), and the event type is the
+// first one given.
+//
+//	Key: idemhttp.Compose(idemhttp.HeaderKey("", "X-Shopify-Shop-Domain"), idemhttp.JSONKey("", "id"))
+func Compose(keys ...KeyFunc) KeyFunc {
+	return func(r *http.Request, body []byte) (string, string, error) {
+		parts := make([]string, len(keys))
+		typ := ""
+		for i, k := range keys {
+			key, t, err := k(r, body)
+			if err != nil {
+				return "", "", err
+			}
+			if key == "" {
+				return "", "", &KeyFieldError{Problem: fmt.Sprintf("part %d of %d of the composed key is missing", i+1, len(keys))}
+			}
+			parts[i] = key
+			if typ == "" {
+				typ = t
+			}
+		}
+		key := strings.Join(parts, ":")
+		if len(key) > maxKey {
+			return "", "", &KeyFieldError{Problem: fmt.Sprintf("the composed key would be %d bytes, over idem's %d", len(key), maxKey)}
+		}
+		return key, typ, nil
+	}
+}
+
+// JSONFingerprint fingerprints the values at paths of the JSON body only
+// (gjson paths), so that a sender adding or reordering other fields on a
+// retry is not a mismatch. Each value is compared in a canonical form
+// (object keys sorted, insignificant white space dropped); an absent path
+// counts as absent, not as an error. A body that is not JSON is
+// fingerprinted whole.
+func JSONFingerprint(paths ...string) FingerprintFunc {
+	return func(_ *http.Request, body []byte) string {
+		if !gjson.ValidBytes(body) {
+			return idem.Fingerprint(body)
+		}
+		parts := make([][]byte, 0, 2*len(paths))
+		for _, p := range paths {
+			parts = append(parts, []byte(p))
+			v := gjson.GetBytes(body, p)
+			if !v.Exists() {
+				parts = append(parts, []byte{0})
+				continue
+			}
+			c, err := idem.Canonical(json.RawMessage(v.Raw))
+			if err != nil {
+				c = []byte(v.Raw)
+			}
+			parts = append(parts, c)
+		}
+		return idem.Fingerprint(parts...)
+	}
+}

@@ -1,0 +1,131 @@
+package idemhttp_test
+
+import (
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	"github.com/idemkit/idem/idemhttp"
+)
+
+// TestJSONKey: keys from JSON fields, table-driven: paths that hold a
+// string or an integer give the key (several joined with ":"); a missing
+// path, null, an empty string, an object, an array, a boolean, a
+// fraction, a body that is not JSON, or a key over 512 bytes are
+// ErrKeyField errors naming the path, never an empty key. A megabyte
+// payload with the id at its end, and deep nesting, work.
+func TestJSONKey(t *testing.T) {
+	t.Parallel()
+	big := `{"pad":"` + strings.Repeat("x", 1<<20) + `","data":{"object":{"id":"in_big"}}}`
+	deep := strings.Repeat(`{"a":`, 200) + `"deep"` + strings.Repeat(`}`, 200)
+	for _, tc := range []struct {
+		name, body string
+		typePath   string
+		paths      []string
+		key, typ   string
+		problem    string // the error's text, "" for none
+	}{
+		{"stripe-like", `{"id":"evt_1","type":"invoice.paid","data":{"object":{"id":"in_1"}}}`, "type", []string{"data.object.id"}, "in_1", "invoice.paid", ""},
+		{"two fields", `{"shop":"acme","order":{"id":42}}`, "", []string{"shop", "order.id"}, "acme:42", "", ""},
+		{"array index", `{"items":[{"sku":"a-1"},{"sku":"b-2"}]}`, "", []string{"items.1.sku"}, "b-2", "", ""},
+		{"negative integer", `{"n":-7}`, "", []string{"n"}, "-7", "", ""},
+		{"unicode", `{"id":"zürich-☕"}`, "", []string{"id"}, "zürich-☕", "", ""},
+		{"type absent is no type", `{"id":"x"}`, "type", []string{"id"}, "x", "", ""},
+		{"type not a string is no type", `{"id":"x","type":5}`, "type", []string{"id"}, "x", "", ""},
+		{"huge payload", big, "", []string{"data.object.id"}, "in_big", "", ""},
+		{"deep nesting", deep, "", []string{strings.TrimSuffix(strings.Repeat("a.", 200), ".")}, "deep", "", ""},
+		{"missing", `{"data":{}}`, "", []string{"data.object.id"}, "", "", `key field "data.object.id": not in the body`},
+		{"second missing", `{"shop":"acme"}`, "", []string{"shop", "order.id"}, "", "", `key field "order.id": not in the body`},
+		{"null", `{"id":null}`, "", []string{"id"}, "", "", `key field "id": null`},
+		{"empty string", `{"id":"  "}`, "", []string{"id"}, "", "", `key field "id": an empty string`},
+		{"object", `{"id":{"a":1}}`, "", []string{"id"}, "", "", `key field "id": an object`},
+		{"array", `{"id":[1]}`, "", []string{"id"}, "", "", `key field "id": an array`},
+		{"boolean", `{"id":true}`, "", []string{"id"}, "", "", `key field "id": a boolean`},
+		{"fraction", `{"id":1.5}`, "", []string{"id"}, "", "", `key field "id": a number with a fraction or exponent (1.5)`},
+		{"exponent", `{"id":1e3}`, "", []string{"id"}, "", "", `a number with a fraction or exponent`},
+		{"not JSON", `id=1`, "", []string{"id"}, "", "", "the body is not JSON"},
+		{"empty body", ``, "", []string{"id"}, "", "", "the body is not JSON"},
+		{"truncated", `{"id":"x"`, "", []string{"id"}, "", "", "the body is not JSON"},
+		{"no path", `{"id":"x"}`, "", nil, "", "", "no path"},
+		{"too long", `{"id":"` + strings.Repeat("k", 600) + `"}`, "", []string{"id"}, "", "", "the key would be 600 bytes, over idem's 512"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			key, typ, err := idemhttp.JSONKey(tc.typePath, tc.paths...)(httptest.NewRequest("POST", "/", nil), []byte(tc.body))
+			if tc.problem == "" {
+				if err != nil || key != tc.key || typ != tc.typ {
+					t.Fatalf("got %q %q %v, want %q %q", key, typ, err, tc.key, tc.typ)
+				}
+				return
+			}
+			var fe *idemhttp.KeyFieldError
+			if !errors.Is(err, idemhttp.ErrKeyField) || !errors.As(err, &fe) || !strings.Contains(err.Error(), tc.problem) || key != "" {
+				t.Fatalf("got %q %v, want an ErrKeyField error with %q", key, err, tc.problem)
+			}
+		})
+	}
+}
+
+// TestComposeKey: a key from a header and a JSON field; a missing part is
+// an error naming its position.
+func TestComposeKey(t *testing.T) {
+	t.Parallel()
+	k := idemhttp.Compose(idemhttp.HeaderKey("X-Topic", "X-Shop"), idemhttp.JSONKey("", "id"))
+	r := httptest.NewRequest("POST", "/", nil)
+	r.Header.Set("X-Shop", "acme.example")
+	r.Header.Set("X-Topic", "orders/create")
+	if key, typ, err := k(r, []byte(`{"id":12}`)); err != nil || key != "acme.example:12" || typ != "orders/create" {
+		t.Fatalf("%q %q %v", key, typ, err)
+	}
+	r.Header.Del("X-Shop")
+	if _, _, err := k(r, []byte(`{"id":12}`)); !errors.Is(err, idemhttp.ErrKeyField) || !strings.Contains(err.Error(), "part 1 of 2") {
+		t.Fatalf("missing header: %v", err)
+	}
+}
+
+// TestJSONFingerprint: only the selected fields count, in canonical form.
+func TestJSONFingerprint(t *testing.T) {
+	t.Parallel()
+	fp := idemhttp.JSONFingerprint("amount", "customer")
+	r := httptest.NewRequest("POST", "/", nil)
+	a := fp(r, []byte(`{"amount":4200,"customer":{"id":"c1","tier":"gold"},"sent_at":"10:00"}`))
+	same := []string{
+		`{"customer":{"tier":"gold","id":"c1"},"amount":4200,"sent_at":"10:05","retry":1}`, // reordered, another field added
+		`{ "amount" : 4200 , "customer" : { "id" : "c1" , "tier" : "gold" } }`,
+	}
+	for _, b := range same {
+		if fp(r, []byte(b)) != a {
+			t.Errorf("%s fingerprints differently", b)
+		}
+	}
+	for _, b := range []string{`{"amount":4201,"customer":{"id":"c1","tier":"gold"}}`, `{"customer":{"id":"c1","tier":"gold"}}`, `not json`} {
+		if fp(r, []byte(b)) == a {
+			t.Errorf("%s fingerprints the same", b)
+		}
+	}
+}
+
+// TestJSONKeyOverHTTP: the middleware with a JSON key: the first delivery
+// runs, its duplicate (fields reordered and one added, under
+// JSONFingerprint) is replayed, a body without the field is 400 and runs
+// nothing.
+func TestJSONKeyOverHTTP(t *testing.T) {
+	t.Parallel()
+	runs := 0
+	srv, _ := setup(t, idemhttp.Config{Source: "orders", Key: idemhttp.JSONKey("type", "data.object.id"),
+		Fingerprint: idemhttp.JSONFingerprint("data.object")}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs++
+		w.Write([]byte("booked\n"))
+	}))
+	first := send(t, srv, "POST", "/", `{"type":"order.paid","data":{"object":{"id":"o_1","total":10}}}`, nil)
+	dup := send(t, srv, "POST", "/", `{"sent":"later","data":{"object":{"total":10,"id":"o_1"}},"type":"order.paid"}`, nil)
+	if first.status != 200 || dup.status != 200 || dup.header.Get(idemhttp.ReplayedHeader) != "true" || runs != 1 {
+		t.Fatalf("first %d, duplicate %d %v, runs %d", first.status, dup.status, dup.header, runs)
+	}
+	bad := send(t, srv, "POST", "/", `{"type":"order.paid","data":{}}`, nil)
+	requireProblem(t, bad, 400)
+	if !strings.Contains(bad.body, `key field \"data.object.id\": not in the body`) || runs != 1 {
+		t.Fatalf("missing field: %s, runs %d", bad.body, runs)
+	}
+}
