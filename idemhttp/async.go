@@ -44,7 +44,7 @@ func (m *middleware) accept(w http.ResponseWriter, r *http.Request, d *Delivery)
 		w.Header().Set("Content-Type", "application/json")
 		answer := AnswerAccepted
 		if dup {
-			w.Header().Set("Idempotency-Replayed", "true")
+			m.replayed(w, r, d.Key, http.StatusAccepted, ReplayAccepted)
 			answer = AnswerReplayed
 		}
 		w.WriteHeader(http.StatusAccepted)

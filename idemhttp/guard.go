@@ -73,9 +73,9 @@ func (m *middleware) guard(ctx context.Context, key, eventType string, body []by
 
 // replayedCopy answers a copy of a delivery under another delivery id: as
 // a duplicate, with nothing run.
-func replayedCopy(w http.ResponseWriter) Answer {
+func (m *middleware) replayedCopy(w http.ResponseWriter, r *http.Request, key string) Answer {
 	w.Header().Set("Content-Type", "application/json")
-	w.Header().Set("Idempotency-Replayed", "true")
+	m.replayed(w, r, key, http.StatusOK, ReplayCopy)
 	w.WriteHeader(http.StatusOK)
 	w.Write([]byte(`{"duplicate":true}` + "\n"))
 	return AnswerReplayed

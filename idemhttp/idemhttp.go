@@ -110,6 +110,14 @@ type Config struct {
 	// extended while the handler runs, so it only needs to outlast a
 	// crashed worker's silence.
 	TTL, Lease time.Duration
+	// OnReplay, when set, is called for every answer the middleware
+	// replays instead of running the handler (a stored answer, a copy of a
+	// signed body under another delivery id, a delivery accepted before),
+	// just before it is written: it may add headers to h (every replayed
+	// answer already carries Idempotency-Replayed: true, the webhook
+	// presets' included), log or count it. The status and body are the
+	// stored ones. Default: none.
+	OnReplay func(r *http.Request, h http.Header, rp Replay)
 	// Wait, when set, makes a duplicate that arrives while the first
 	// request is still running wait up to Wait for the first one's answer
 	// and replay it (or run the handler itself, if the first one failed
@@ -170,6 +178,29 @@ type Response struct {
 
 // ReplayedHeader marks a replayed response.
 const ReplayedHeader = "Idempotency-Replayed"
+
+// Why an answer is replayed (Replay.Why).
+const (
+	ReplayStored   = "stored answer"         // the first delivery's stored answer
+	ReplayCopy     = "copy of a signed body" // the replay guard: the body came before under another delivery id
+	ReplayAccepted = "accepted before"       // asynchronous mode: the delivery is already accepted
+)
+
+// Replay describes a replayed answer, for Config.OnReplay.
+type Replay struct {
+	Source, Key string
+	Status      int    // the status about to be sent
+	Why         string // ReplayStored, ReplayCopy or ReplayAccepted
+}
+
+// replayed marks the answer about to be written as replayed and calls
+// Config.OnReplay.
+func (m *middleware) replayed(w http.ResponseWriter, r *http.Request, key string, status int, why string) {
+	w.Header().Set(ReplayedHeader, "true")
+	if m.cfg.OnReplay != nil {
+		m.cfg.OnReplay(r, w.Header(), Replay{Source: m.cfg.Source, Key: key, Status: status, Why: why})
+	}
+}
 
 // Store2xx stores only 2xx answers: the webhook presets' default.
 func Store2xx(status int) bool { return status >= 200 && status < 300 }
@@ -350,7 +381,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 		case replay:
 			m.cfg.Logger.LogAttrs(r.Context(), slog.LevelWarn, "idemhttp: a signed body delivered before under another delivery id: answered as a duplicate, nothing run",
 				slog.String("source", m.cfg.Source), slog.String("key", key))
-			return replayedCopy(w)
+			return m.replayedCopy(w, r, key)
 		}
 		defer done()
 	}
@@ -388,7 +419,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 
 	switch {
 	case err == nil && res.Replayed:
-		m.replay(w, res.Result)
+		m.replay(w, r, key, res.Result)
 		return AnswerReplayed
 	case err == nil:
 		rec.flushTo(w)
@@ -474,13 +505,13 @@ func (m *middleware) stored(rec *recorder) Response {
 	return resp
 }
 
-func (m *middleware) replay(w http.ResponseWriter, raw json.RawMessage) {
+func (m *middleware) replay(w http.ResponseWriter, r *http.Request, key string, raw json.RawMessage) {
 	var resp Response
 	if err := json.Unmarshal(raw, &resp); err != nil || resp.Status == 0 {
 		// Completed by something other than this middleware (idem.complete
 		// from SQL, another program): there is no response to replay.
-		w.Header().Set(ReplayedHeader, "true")
 		w.Header().Set("Content-Type", "application/json")
+		m.replayed(w, r, key, http.StatusOK, ReplayStored)
 		w.WriteHeader(http.StatusOK)
 		_, _ = w.Write(raw)
 		return
@@ -488,7 +519,7 @@ func (m *middleware) replay(w http.ResponseWriter, raw json.RawMessage) {
 	for k, v := range resp.Headers {
 		w.Header()[k] = v
 	}
-	w.Header().Set(ReplayedHeader, "true")
+	m.replayed(w, r, key, resp.Status, ReplayStored)
 	w.WriteHeader(resp.Status)
 	_, _ = w.Write(resp.Body)
 }

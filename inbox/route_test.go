@@ -7,6 +7,7 @@ import (
 	"net/http/httptest"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -33,7 +34,13 @@ func TestOneLineSetup(t *testing.T) {
 		t.Fatal(err)
 	}
 	stripeRuns, githubRuns := idemtest.Count(nil), idemtest.Count(nil)
-	stripeH, err := in.HTTP(idemhttp.Config{Client: c}.Apply(idemhttp.Stripe("whsec_one")), stripeRuns)
+	var replays atomic.Int64
+	onReplay := func(_ *http.Request, _ http.Header, rp idemhttp.Replay) {
+		if rp.Why == idemhttp.ReplayAccepted && rp.Status == http.StatusAccepted {
+			replays.Add(1)
+		}
+	}
+	stripeH, err := in.HTTP(idemhttp.Config{Client: c, OnReplay: onReplay}.Apply(idemhttp.Stripe("whsec_one")), stripeRuns)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -60,6 +67,9 @@ func TestOneLineSetup(t *testing.T) {
 	}
 	if stripeRuns.Total()+githubRuns.Total() != 0 {
 		t.Fatal("a handler ran on the web side")
+	}
+	if n := replays.Load(); n != 5*7 {
+		t.Fatalf("OnReplay saw %d accepted-before duplicates of Stripe events, want 35", n)
 	}
 	start(t, in, 4, nil)
 	stripeRuns.WaitRuns(t, 5, time.Minute)

@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -103,5 +104,44 @@ func TestWaitRuns(t *testing.T) {
 	runs.WaitRuns(t, 1, 10*time.Second)
 	if runs.Of(ev) != 1 || runs.Total() != 1 {
 		t.Fatalf("of %d total %d", runs.Of(ev), runs.Total())
+	}
+}
+
+// TestOnReplay: every replayed answer goes through Config.OnReplay, with
+// why, and carries Idempotency-Replayed; the first run does not.
+func TestOnReplay(t *testing.T) {
+	t.Parallel()
+	pool := testdb.Pool(t, testdb.New(t), 8)
+	var mu sync.Mutex
+	var seen []idemhttp.Replay
+	mw, err := idemhttp.New(idemhttp.Config{Client: idem.New(pool, nil), OnReplay: func(r *http.Request, h http.Header, rp idemhttp.Replay) {
+		mu.Lock()
+		defer mu.Unlock()
+		seen = append(seen, rp)
+		h.Set("X-Replay-Why", rp.Why)
+	}}.Apply(idemhttp.GitHub("gh")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	runs := idemtest.Count(nil)
+	srv := httptest.NewServer(mw(runs))
+	t.Cleanup(srv.Close)
+	gh := idemtest.GitHub("gh")
+	ev := gh.Event("push", "")
+	for i, tc := range []struct {
+		d   *idemtest.Delivery
+		why string
+	}{{ev, ""}, {gh.Redeliver(ev), idemhttp.ReplayStored}, {gh.Resend(ev), idemhttp.ReplayCopy}} {
+		resp, _ := idemtest.Send(t, srv.URL, tc.d)
+		replayed := resp.Header.Get(idemhttp.ReplayedHeader) == "true"
+		if resp.StatusCode != 200 || replayed != (tc.why != "") || resp.Header.Get("X-Replay-Why") != tc.why {
+			t.Fatalf("delivery %d: %d replayed %v why %q", i+1, resp.StatusCode, replayed, resp.Header.Get("X-Replay-Why"))
+		}
+	}
+	runs.AssertOnce(t, ev)
+	mu.Lock()
+	defer mu.Unlock()
+	if len(seen) != 2 || seen[0].Source != "github" || seen[0].Status != 200 || seen[1].Why != idemhttp.ReplayCopy {
+		t.Fatalf("OnReplay saw %+v", seen)
 	}
 }
