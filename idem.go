@@ -109,6 +109,22 @@ type Config struct {
 	// Observer is told the source, outcome (or error) and duration of
 	// every claim, for metrics (package idemprom). Default: none.
 	Observer Observer
+	// Cache, when set, keeps completed outcomes in this process (a bounded
+	// LRU, CacheConfig), so that a repeat duplicate is answered without a
+	// round trip. It serves only Completed answers, for the fingerprint
+	// they were read with, for at most MaxAge and never near the end of
+	// the key's retention; every other answer (in progress, failed,
+	// mismatch, a first delivery) comes from the database. An operator's
+	// idem.release (idemctl release) is heard by every process: the client
+	// listens on channel idem_released on one connection of its own, and
+	// the cache answers only while that listener was heard from within
+	// 1.5 s (it pings when quiet), so once idemctl release has returned
+	// (ReleaseGrace after the commit) no cache answers for the key. Where
+	// LISTEN gets nothing (a transaction pooler), the cache never answers.
+	// Rows deleted by hand are not heard: use idem.release. New only, over
+	// a *pgxpool.Pool; call Client.Close to stop the listener. Default:
+	// none.
+	Cache *CacheConfig
 }
 
 // Defaults of Config.
@@ -137,6 +153,9 @@ func (c *Config) Validate() error {
 	case c.QueryExecMode < 0 || c.QueryExecMode > pgx.QueryExecModeSimpleProtocol:
 		return fmt.Errorf("%w: QueryExecMode %d is not a pgx.QueryExecMode", ErrInvalidConfig, c.QueryExecMode)
 	}
+	if c.Cache != nil {
+		return c.Cache.validate()
+	}
 	return nil
 }
 
@@ -148,7 +167,8 @@ type Client struct {
 	cfgErr error
 	mode   *execMode      // pgx clients: shared with the clients WithTx derives
 	wait   *time.Duration // Config.LockWait as claim's lock_wait: nil for the database's default
-	hub    *hub           // pgx pool clients: the waiters' listener (WithWait)
+	hub    *hub           // pgx pool clients: the waiters' and the cache's listener
+	cache  *cache         // Config.Cache, on a pool client
 }
 
 // New returns a Client over a pgx pool, connection or transaction.
@@ -156,8 +176,15 @@ func New(db PgxExecutor, cfg *Config) *Client {
 	c, err := defaults(cfg)
 	mode := &execMode{fixed: c.QueryExecMode, log: c.Logger}
 	cl := &Client{d: newPgxDriver(db, mode), cfg: c, cfgErr: err, mode: mode, wait: lockWait(c.LockWait)}
-	if pool, ok := db.(*pgxpool.Pool); ok {
-		cl.hub = newHub(pool, c.Logger)
+	pool, ok := db.(*pgxpool.Pool)
+	switch {
+	case ok && c.Cache != nil && err == nil:
+		cl.cache = newCache(*c.Cache)
+		cl.hub = newHub(pool, c.Logger, cl.cache)
+	case ok:
+		cl.hub = newHub(pool, c.Logger, nil)
+	case c.Cache != nil && err == nil:
+		cl.cfgErr = fmt.Errorf("%w: Cache needs a client over a *pgxpool.Pool (it listens for releases on a connection of its own)", ErrInvalidConfig)
 	}
 	return cl
 }
@@ -165,6 +192,9 @@ func New(db PgxExecutor, cfg *Config) *Client {
 // NewSQL returns a Client over database/sql: a *sql.DB, *sql.Conn or *sql.Tx.
 func NewSQL(db SQLExecutor, cfg *Config) *Client {
 	c, err := defaults(cfg)
+	if err == nil && c.Cache != nil {
+		err = fmt.Errorf("%w: Cache needs a client over a *pgxpool.Pool (New): it listens for releases, which database/sql cannot", ErrInvalidConfig)
+	}
 	return &Client{d: sqlDriver{q: sqldb.New(db), db: db}, cfg: c, cfgErr: err, wait: lockWait(c.LockWait)}
 }
 
@@ -198,6 +228,19 @@ func defaults(cfg *Config) (Config, error) {
 		c.RecordTimeout = DefaultRecordTimeout
 	}
 	return c, nil
+}
+
+// Close stops the connection a pool client listens on (Config.Cache keeps
+// one open for the client's life; waiters open one while they wait). The
+// client still works afterwards, without its cache and polling when it
+// waits. Clients from WithTx share their parent's and need no Close.
+func (c *Client) Close() {
+	if c.hub != nil {
+		c.hub.close()
+	}
+	if c.cache != nil {
+		c.cache.drop("")
+	}
 }
 
 // WithTx returns a Client with the same configuration that runs inside tx.
@@ -263,9 +306,22 @@ func (c *Client) claim(ctx context.Context, source, key string, opts []ClaimOpti
 	if err := c.checkWait(&a); err != nil {
 		return nil, err
 	}
+	var digest string
+	var gen uint64
+	cached := c.cache != nil && c.hub.fresh()
+	if cached {
+		digest = waitKey(source, key)
+		if cl, ok := c.cache.get(digest, a.fingerprint); ok {
+			return cl, nil
+		}
+		gen = c.cache.generation()
+	}
 	cl, err := c.d.claim(ctx, a)
 	if err != nil {
 		return nil, convert("claim", source, key, err)
+	}
+	if cached && cl.Outcome == Completed && c.hub.fresh() {
+		c.cache.put(digest, a.fingerprint, cl, gen)
 	}
 	if cl.Outcome == InProgress && a.wait > 0 {
 		if cl, err = c.waitFor(ctx, a, cl); err != nil {

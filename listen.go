@@ -10,11 +10,16 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// waitChannel is the channel idem's trigger notifies (migration 8).
-const waitChannel = "idem_done"
+// The channels idem notifies (migration 8): a key left 'processing' (for
+// waiters), a key was released by an operator (for caches).
+const (
+	waitChannel    = "idem_done"
+	releaseChannel = "idem_released"
+)
 
 // Listener timings.
 const (
@@ -29,8 +34,9 @@ const (
 // the waiters of each key notified, and closes once no one has waited for
 // listenIdle.
 type hub struct {
-	pool *pgxpool.Pool
-	log  *slog.Logger
+	pool  *pgxpool.Pool
+	log   *slog.Logger
+	cache *cache // Config.Cache: the listener then runs for the client's life
 
 	mu      sync.Mutex
 	subs    map[string]map[*hubWaiter]struct{}
@@ -40,6 +46,8 @@ type hub struct {
 	noUntil time.Time // after a failed start: do not try again before
 	stop    context.CancelFunc
 	idle    *time.Timer
+	heard   time.Time // the listener's last notification or ping
+	closed  bool      // Client.Close
 }
 
 type hubWaiter struct {
@@ -47,8 +55,38 @@ type hubWaiter struct {
 	ch  chan struct{}
 }
 
-func newHub(pool *pgxpool.Pool, log *slog.Logger) *hub {
-	return &hub{pool: pool, log: log, subs: map[string]map[*hubWaiter]struct{}{}}
+func newHub(pool *pgxpool.Pool, log *slog.Logger, c *cache) *hub {
+	return &hub{pool: pool, log: log, cache: c, subs: map[string]map[*hubWaiter]struct{}{}}
+}
+
+// startLocked starts the listener unless it runs, is backing off, or the
+// client is closed. h.mu is held.
+func (h *hub) startLocked() {
+	if h.running || h.closed || !time.Now().After(h.noUntil) {
+		return
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	h.running, h.stop = true, cancel
+	go h.run(ctx)
+}
+
+// fresh: the cache may answer: the listener runs, passed its self-test,
+// and was heard from within cacheFresh. Starts it when it does not run.
+func (h *hub) fresh() bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.startLocked()
+	return h.live && time.Since(h.heard) < cacheFresh
+}
+
+// close stops the listener for good.
+func (h *hub) close() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.closed = true
+	if h.stop != nil {
+		h.stop()
+	}
 }
 
 // subscribe registers a waiter for key, starting the listener if needed.
@@ -65,11 +103,7 @@ func (h *hub) subscribe(key string) *hubWaiter {
 		h.idle.Stop()
 		h.idle = nil
 	}
-	if !h.running && time.Now().After(h.noUntil) {
-		ctx, cancel := context.WithCancel(context.Background())
-		h.running, h.stop = true, cancel
-		go h.run(ctx)
-	}
+	h.startLocked()
 	return w
 }
 
@@ -81,7 +115,7 @@ func (h *hub) unsubscribe(w *hubWaiter) {
 		delete(h.subs, w.key)
 	}
 	h.n--
-	if h.n == 0 && h.running && h.idle == nil {
+	if h.n == 0 && h.running && h.idle == nil && h.cache == nil {
 		stop := h.stop
 		h.idle = time.AfterFunc(listenIdle, func() {
 			h.mu.Lock()
@@ -140,6 +174,9 @@ func (h *hub) run(ctx context.Context) {
 		}
 	}
 	h.mu.Unlock()
+	if h.cache != nil {
+		h.cache.drop("") // releases may go unheard from now on
+	}
 	h.wake("") // they look again, and poll from now on
 	if err != nil && ctx.Err() == nil {
 		h.log.LogAttrs(context.Background(), slog.LevelInfo, "idem: waiting duplicates poll instead of listening",
@@ -161,7 +198,7 @@ func (h *hub) listen(ctx context.Context) error {
 		defer cancel()
 		_ = conn.Close(cctx)
 	}()
-	if _, err := conn.Exec(ctx, "LISTEN "+waitChannel); err != nil {
+	if _, err := conn.Exec(ctx, "LISTEN "+waitChannel+"; LISTEN "+releaseChannel); err != nil {
 		return err
 	}
 	// Self-test: our own notification, sent from the pool, must arrive.
@@ -188,19 +225,51 @@ func (h *hub) listen(ctx context.Context) error {
 		if n.Payload == probe {
 			break
 		}
-		h.wake(n.Payload)
+		h.notified(n)
 	}
 	h.mu.Lock()
-	h.live = true
+	h.live, h.heard = true, time.Now()
 	h.mu.Unlock()
 	for {
-		n, err := conn.WaitForNotification(ctx)
-		if err != nil {
-			if ctx.Err() != nil {
-				return nil
+		wctx, cancel := ctx, context.CancelFunc(func() {})
+		if h.cache != nil {
+			// A cache must know its listener is alive: ping when quiet.
+			wctx, cancel = context.WithTimeout(ctx, cachePing)
+		}
+		n, err := conn.WaitForNotification(wctx)
+		cancel()
+		switch {
+		case err == nil:
+			h.notified(n)
+		case ctx.Err() != nil:
+			return nil
+		case h.cache != nil && errors.Is(err, context.DeadlineExceeded):
+			pctx, cancel := context.WithTimeout(ctx, cachePing)
+			_, err = conn.Exec(pctx, "SELECT 1")
+			cancel()
+			if err != nil {
+				if ctx.Err() != nil {
+					return nil
+				}
+				return err
 			}
+			h.mu.Lock()
+			h.heard = time.Now()
+			h.mu.Unlock()
+		default:
 			return err
 		}
-		h.wake(n.Payload)
 	}
+}
+
+// notified handles one notification: a released key leaves the cache; the
+// waiters of the key look again.
+func (h *hub) notified(n *pgconn.Notification) {
+	if n.Channel == releaseChannel && h.cache != nil {
+		h.cache.drop(n.Payload)
+	}
+	h.mu.Lock()
+	h.heard = time.Now()
+	h.mu.Unlock()
+	h.wake(n.Payload)
 }

@@ -1,9 +1,15 @@
 package idem_test
 
 import (
+	"os"
 	"testing"
 
 	"github.com/idemkit/idem/internal/testdb"
 )
 
-func TestMain(m *testing.M) { testdb.Main(m) }
+func TestMain(m *testing.M) {
+	if os.Getenv(cacheChildEnv) != "" {
+		os.Exit(cacheChild())
+	}
+	testdb.Main(m)
+}

@@ -17,8 +17,9 @@ func waitKey(source, key string) string {
 }
 
 // TestUpgradeTo8: from version 7 holding data (completed keys, a key in
-// progress, an application role granted at 7), the upgrade to 8 keeps
-// every answer, gives the role the wait functions, and a waiter registered
+// progress, an application and a maintainer role granted at 7), the
+// upgrade to 8 keeps every answer, gives the application role the wait
+// functions and the maintainer release, and a waiter registered
 // for the key in progress is notified when it completes, through a
 // partition made before the upgrade. Down to 7 removes version 8's objects
 // and keeps the answers; up again works.
@@ -29,15 +30,18 @@ func TestUpgradeTo8(t *testing.T) {
 	if _, err := p.UpTo(ctx, 7); err != nil {
 		t.Fatal(err)
 	}
-	app := fmt.Sprintf("idem_up8_app_%d", time.Now().UnixNano())
-	if _, err := db.ExecContext(ctx, `CREATE ROLE `+app); err != nil {
-		t.Fatal(err)
+	stamp := time.Now().UnixNano()
+	app, maint := fmt.Sprintf("idem_up8_app_%d", stamp), fmt.Sprintf("idem_up8_maint_%d", stamp)
+	for _, r := range []string{app, maint} {
+		if _, err := db.ExecContext(ctx, `CREATE ROLE `+r); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			_, _ = db.ExecContext(context.Background(), `DROP OWNED BY `+r)
+			_, _ = db.ExecContext(context.Background(), `DROP ROLE `+r)
+		})
 	}
-	t.Cleanup(func() {
-		_, _ = db.ExecContext(context.Background(), `DROP OWNED BY `+app)
-		_, _ = db.ExecContext(context.Background(), `DROP ROLE `+app)
-	})
-	if _, err := db.ExecContext(ctx, `SELECT idem.grant_app($1::regrole)`, app); err != nil {
+	if _, err := db.ExecContext(ctx, `SELECT idem.grant_app($1::regrole), idem.grant_maintainer($2::regrole)`, app, maint); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := db.ExecContext(ctx, `
@@ -66,7 +70,9 @@ func TestUpgradeTo8(t *testing.T) {
 	if err := db.QueryRowContext(ctx, `SELECT has_function_privilege($1, 'idem.wait_begin(text, text, interval)', 'EXECUTE')
 		AND has_function_privilege($1, 'idem.wait_end(bigint)', 'EXECUTE')
 		AND has_function_privilege($1, 'idem.peek(text, text)', 'EXECUTE')
-		AND NOT has_table_privilege($1, 'idem.waiters', 'SELECT')`, app).Scan(&rights); err != nil || !rights {
+		AND NOT has_table_privilege($1, 'idem.waiters', 'SELECT')
+		AND NOT has_function_privilege($1, 'idem.release(text, text)', 'EXECUTE')
+		AND has_function_privilege($2, 'idem.release(text, text)', 'EXECUTE')`, app, maint).Scan(&rights); err != nil || !rights {
 		t.Fatalf("the application role's rights after the upgrade: %v %v", rights, err)
 	}
 

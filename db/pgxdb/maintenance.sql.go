@@ -256,6 +256,25 @@ func (q *Queries) PublicRoutines(ctx context.Context) ([]string, error) {
 	return items, nil
 }
 
+const release = `-- name: Release :one
+SELECT idem.release($1::text, $2::text)::bigint AS released
+`
+
+type ReleaseParams struct {
+	Source string
+	Key    string
+}
+
+// An operator's re-run (migration 8): the key's rows are deleted and every
+// process's cache is told; refused (ID004) while in progress or held by the
+// inbox. Returns the rows deleted.
+func (q *Queries) Release(ctx context.Context, arg ReleaseParams) (int64, error) {
+	row := q.db.QueryRow(ctx, release, arg.Source, arg.Key)
+	var released int64
+	err := row.Scan(&released)
+	return released, err
+}
+
 const releaseLock = `-- name: ReleaseLock :one
 SELECT idem.release_lock($1::text, $2::text)::boolean AS released
 `

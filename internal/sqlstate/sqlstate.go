@@ -23,6 +23,9 @@ const (
 	// NotAPartition: the table named is not a (detached) month of
 	// idem.processed_events (idem.retire_partition, idem.drop_detached).
 	NotAPartition = "ID002"
+	// KeyBusy: idem.release refused a key in progress under a live lease,
+	// or held by the inbox (migration 8).
+	KeyBusy = "ID004"
 )
 
 // PostgreSQL's conditions that idem's functions also raise, with the

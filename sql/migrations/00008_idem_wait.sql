@@ -13,7 +13,14 @@
 -- * idem.peek(source, key): the key's status and remaining lease, read-only,
 --   for a waiter that polls (behind a transaction pooler, LISTEN gets
 --   nothing) without counting itself as a duplicate again.
--- * grant_app gives the three functions; roles granted before get them.
+-- * idem.release(source, key): an operator's re-run. The key's rows are
+--   deleted (every month), so its next delivery runs the work again, and
+--   channel idem_released is notified, so that the Go client's cache of
+--   completed outcomes (idem.Config.Cache) drops the key in every process.
+--   Refused (ID004) while the key is in progress under a live lease or held
+--   by the inbox (a queued job, or a dead letter: replay it instead).
+-- * grant_app gives the three wait functions, grant_maintainer release;
+--   roles granted before get them.
 
 -- +goose Up
 -- +goose StatementBegin
@@ -105,6 +112,42 @@ REVOKE ALL ON FUNCTION idem.peek(text, text) FROM PUBLIC;
 -- +goose StatementEnd
 
 -- +goose StatementBegin
+CREATE FUNCTION idem.release(source text, key text) RETURNS bigint
+    LANGUAGE plpgsql VOLATILE
+    SECURITY DEFINER
+    SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_n bigint;
+BEGIN
+    PERFORM idem.check_key('idem.release', release.source, release.key);
+    -- The key's lock, as claims take it: no claim is half-way meanwhile.
+    PERFORM pg_advisory_xact_lock(1768187245, hashtext(release.source || chr(31) || release.key));
+    IF EXISTS (SELECT 1 FROM idem.holds h WHERE h.source = release.source AND h.key = release.key) THEN
+        RAISE EXCEPTION USING ERRCODE = 'ID004',
+            MESSAGE = format('idem.release: key %L of source %L is held by the inbox (a queued job or a dead letter)', left(release.key, 64), release.source),
+            HINT = 'Replay a dead letter with idemctl inbox replay; a queued job processes the event itself.';
+    END IF;
+    IF EXISTS (SELECT 1 FROM idem.processed_events e
+                WHERE e.source = release.source AND e.key = release.key
+                  AND e.status = 'processing' AND e.lease_expires_at > idem.clock()) THEN
+        RAISE EXCEPTION USING ERRCODE = 'ID004',
+            MESSAGE = format('idem.release: key %L of source %L is in progress: a worker holds its lease', left(release.key, 64), release.source),
+            HINT = 'Release it once the work has finished or its lease has ended.';
+    END IF;
+    DELETE FROM idem.processed_events e WHERE e.source = release.source AND e.key = release.key;
+    GET DIAGNOSTICS v_n = ROW_COUNT;
+    PERFORM pg_notify('idem_released', idem.wait_channel_key(release.source, release.key));
+    RETURN v_n;
+END
+$$;
+-- +goose StatementEnd
+
+-- +goose StatementBegin
+REVOKE ALL ON FUNCTION idem.release(text, text) FROM PUBLIC;
+-- +goose StatementEnd
+
+-- +goose StatementBegin
 CREATE FUNCTION idem.notify_done() RETURNS trigger
     LANGUAGE plpgsql
     SET search_path = pg_catalog, pg_temp
@@ -168,6 +211,51 @@ $$;
 -- +goose StatementEnd
 
 -- +goose StatementBegin
+CREATE OR REPLACE FUNCTION idem.grant_maintainer(role regrole) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+    SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF role IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'idem.grant_maintainer: role must not be NULL';
+    END IF;
+    EXECUTE format('GRANT USAGE ON SCHEMA idem TO %s', role);
+    EXECUTE format('GRANT EXECUTE ON FUNCTION
+        idem.clock(),
+        idem.utc_month(timestamptz),
+        idem.partition_name(date),
+        idem.partitions(),
+        idem.create_partition(date),
+        idem.retire_partition(regclass, boolean),
+        idem.drop_detached(regclass),
+        idem.months_to_create(integer),
+        idem.try_lock(text, text, interval),
+        idem.release_lock(text, text),
+        idem.prune_batch(text, integer),
+        idem.prunable_rows(),
+        idem.partition_months(),
+        idem.partitions_to_retire(),
+        idem.compact_duplicate_counts(),
+        idem.release(text, text) TO %s', role);
+    EXECUTE format('GRANT EXECUTE ON PROCEDURE idem.prune(integer, integer), idem.rotate(integer, boolean, interval) TO %s', role);
+    -- Reading for stats and check; no writes.
+    EXECUTE format('GRANT SELECT ON idem.processed_events, idem.processed_events_default, idem.policies, idem.maintenance_locks,
+        idem.lookbacks, idem.duplicate_counts, idem.holds, idem.queue_counts TO %s', role);
+    -- Replaying the inbox's dead letters (version 7): the claim of a
+    -- dead-lettered key only, and its hold for the new job.
+    EXECUTE format('GRANT EXECUTE ON FUNCTION
+        idem.queue_replay(text, text, bigint, interval),
+        idem.queue_hold(text, text, bigint, bigint),
+        idem.queue_forget(text, text, bigint) TO %s', role);
+    -- The schema's version, for idemctl to tell it is behind.
+    IF to_regclass('idem.goose_db_version') IS NOT NULL THEN
+        EXECUTE format('GRANT SELECT ON idem.goose_db_version TO %s', role);
+    END IF;
+END
+$$;
+-- +goose StatementEnd
+
+-- +goose StatementBegin
 DO $$
 DECLARE r record;
 BEGIN
@@ -176,6 +264,12 @@ BEGIN
               WHERE p.oid = 'idem.extend(text, text, bigint, interval)'::regprocedure
                 AND a.privilege_type = 'EXECUTE' AND a.grantee <> 0 AND a.grantee <> p.proowner LOOP
         PERFORM idem.grant_app(r.role::regrole);
+    END LOOP;
+    FOR r IN SELECT a.grantee::regrole::text AS role
+               FROM pg_catalog.pg_proc p, pg_catalog.aclexplode(p.proacl) a
+              WHERE p.oid = 'idem.prunable_rows()'::regprocedure
+                AND a.privilege_type = 'EXECUTE' AND a.grantee <> 0 AND a.grantee <> p.proowner LOOP
+        PERFORM idem.grant_maintainer(r.role::regrole);
     END LOOP;
 END
 $$;
@@ -188,6 +282,10 @@ DROP TRIGGER IF EXISTS processed_events_done ON idem.processed_events;
 
 -- +goose StatementBegin
 DROP FUNCTION IF EXISTS idem.notify_done();
+-- +goose StatementEnd
+
+-- +goose StatementBegin
+DROP FUNCTION IF EXISTS idem.release(text, text);
 -- +goose StatementEnd
 
 -- +goose StatementBegin
@@ -237,6 +335,50 @@ BEGIN
     -- results, no payloads).
     EXECUTE format('GRANT SELECT ON idem.holds, idem.queue_counts TO %s', role);
     -- The schema's version, for a program to tell it is behind.
+    IF to_regclass('idem.goose_db_version') IS NOT NULL THEN
+        EXECUTE format('GRANT SELECT ON idem.goose_db_version TO %s', role);
+    END IF;
+END
+$$;
+-- +goose StatementEnd
+
+-- +goose StatementBegin
+CREATE OR REPLACE FUNCTION idem.grant_maintainer(role regrole) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+    SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF role IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'idem.grant_maintainer: role must not be NULL';
+    END IF;
+    EXECUTE format('GRANT USAGE ON SCHEMA idem TO %s', role);
+    EXECUTE format('GRANT EXECUTE ON FUNCTION
+        idem.clock(),
+        idem.utc_month(timestamptz),
+        idem.partition_name(date),
+        idem.partitions(),
+        idem.create_partition(date),
+        idem.retire_partition(regclass, boolean),
+        idem.drop_detached(regclass),
+        idem.months_to_create(integer),
+        idem.try_lock(text, text, interval),
+        idem.release_lock(text, text),
+        idem.prune_batch(text, integer),
+        idem.prunable_rows(),
+        idem.partition_months(),
+        idem.partitions_to_retire(),
+        idem.compact_duplicate_counts() TO %s', role);
+    EXECUTE format('GRANT EXECUTE ON PROCEDURE idem.prune(integer, integer), idem.rotate(integer, boolean, interval) TO %s', role);
+    -- Reading for stats and check; no writes.
+    EXECUTE format('GRANT SELECT ON idem.processed_events, idem.processed_events_default, idem.policies, idem.maintenance_locks,
+        idem.lookbacks, idem.duplicate_counts, idem.holds, idem.queue_counts TO %s', role);
+    -- Replaying the inbox's dead letters (version 7): the claim of a
+    -- dead-lettered key only, and its hold for the new job.
+    EXECUTE format('GRANT EXECUTE ON FUNCTION
+        idem.queue_replay(text, text, bigint, interval),
+        idem.queue_hold(text, text, bigint, bigint),
+        idem.queue_forget(text, text, bigint) TO %s', role);
+    -- The schema's version, for idemctl to tell it is behind.
     IF to_regclass('idem.goose_db_version') IS NOT NULL THEN
         EXECUTE format('GRANT SELECT ON idem.goose_db_version TO %s', role);
     END IF;

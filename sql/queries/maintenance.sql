@@ -105,3 +105,9 @@ SELECT p.oid::regprocedure::text AS routine
   FROM pg_catalog.pg_proc p JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace
  WHERE n.nspname = 'idem' AND pg_catalog.has_function_privilege('public', p.oid, 'EXECUTE')
  ORDER BY 1;
+
+-- name: Release :one
+-- An operator's re-run (migration 8): the key's rows are deleted and every
+-- process's cache is told; refused (ID004) while in progress or held by the
+-- inbox. Returns the rows deleted.
+SELECT idem.release(sqlc.arg(source)::text, sqlc.arg(key)::text)::bigint AS released;

@@ -1,0 +1,254 @@
+package idem_test
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/internal/testdb"
+)
+
+// counted returns the duplicates the database counted for source (every
+// one: the test's policy samples 1 in 1).
+func counted(t *testing.T, pool *pgxpool.Pool, source string) int {
+	t.Helper()
+	var n int
+	if err := pool.QueryRow(context.Background(), `SELECT coalesce(sum(duplicates), 0) FROM idem.duplicate_counts WHERE source = $1`, source).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func countEvery(t *testing.T, pool *pgxpool.Pool, source string) {
+	t.Helper()
+	if _, err := pool.Exec(context.Background(), `INSERT INTO idem.policies (source, ttl, lease, duplicate_sampling) VALUES ($1, '30 days', '2 minutes', 1)`, source); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// cachedClient returns a client with a cache whose listener is up.
+func cachedClient(t *testing.T, pool *pgxpool.Pool) *idem.Client {
+	t.Helper()
+	c := idem.New(pool, &idem.Config{Cache: &idem.CacheConfig{Size: 100, MaxAge: time.Minute}})
+	t.Cleanup(c.Close)
+	return c
+}
+
+// TestCache: completed outcomes are answered from the cache (not counted
+// again by the database: no round trip) once the listener is up; a first
+// delivery, a key in progress and another fingerprint go to the database
+// (which answers Mismatch); the answers are the database's, byte for byte.
+func TestCache(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t, testdb.New(t), 8)
+	countEvery(t, pool, "c")
+	c := cachedClient(t, pool)
+	work := func(context.Context) (any, error) { return map[string]int{"n": 1}, nil }
+	first, err := c.Do(ctx, "c", "k", work, idem.WithFingerprint("fp"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Until the listener has started and tested itself, claims go to the
+	// database; then one more fills the cache, and the rest are cached.
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		before := counted(t, pool, "c")
+		if _, err := c.Do(ctx, "c", "k", work, idem.WithFingerprint("fp")); err != nil {
+			t.Fatal(err)
+		}
+		if counted(t, pool, "c") == before {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the cache never answered: %d counted", counted(t, pool, "c"))
+		}
+	}
+	before := counted(t, pool, "c")
+	for range 50 {
+		res, err := c.Do(ctx, "c", "k", func(context.Context) (any, error) { t.Fatal("ran again"); return nil, nil }, idem.WithFingerprint("fp"))
+		if err != nil || !res.Replayed || string(res.Result) != string(first.Result) {
+			t.Fatalf("%+v %v", res, err)
+		}
+	}
+	if after := counted(t, pool, "c"); after != before {
+		t.Fatalf("%d of 50 duplicates went to the database, want 0", after-before)
+	}
+	// Another fingerprint: the database answers (Mismatch), not the cache.
+	if _, err := c.Do(ctx, "c", "k", work, idem.WithFingerprint("other")); !errors.Is(err, idem.ErrMismatch) {
+		t.Fatalf("another fingerprint: %v", err)
+	}
+	// A key in progress is never cached.
+	_, _ = c.Claim(ctx, "c", "busy")
+	for range 3 {
+		if cl, err := c.Claim(ctx, "c", "busy"); err != nil || cl.Outcome != idem.InProgress {
+			t.Fatalf("%+v %v", cl, err)
+		}
+	}
+}
+
+// TestCacheRefused: a cache only on a pool client, sizes in range.
+func TestCacheRefused(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	for _, cfg := range []idem.CacheConfig{{Size: -1}, {Size: 20_000_000}, {MaxAge: -time.Second}, {MaxAge: 6 * time.Minute}} {
+		if err := (&idem.Config{Cache: &cfg}).Validate(); !errors.Is(err, idem.ErrInvalidConfig) {
+			t.Errorf("%+v: %v", cfg, err)
+		}
+	}
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	if _, err := idem.New(conn, &idem.Config{Cache: &idem.CacheConfig{}}).Claim(ctx, "s", "k"); !errors.Is(err, idem.ErrInvalidConfig) {
+		t.Errorf("a cache on a single connection: %v", err)
+	}
+}
+
+// TestCacheBehindPgBouncer: LISTEN gets nothing through a transaction
+// pooler, so the cache never answers: every duplicate is the database's.
+func TestCacheBehindPgBouncer(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	direct := testdb.Pool(t, testdb.New(t), 2)
+	countEvery(t, direct, "b")
+	var db string
+	_ = direct.QueryRow(ctx, `SELECT current_database()`).Scan(&db)
+	pool := testdb.Pool(t, testdb.PgBouncer(t, db), 4)
+	c := cachedClient(t, pool)
+	if _, err := c.Do(ctx, "b", "k", func(context.Context) (any, error) { return 1, nil }); err != nil {
+		t.Fatal(err)
+	}
+	for end := time.Now().Add(3 * time.Second); time.Now().Before(end); time.Sleep(50 * time.Millisecond) {
+		if _, err := c.Do(ctx, "b", "k", func(context.Context) (any, error) { return 1, nil }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var claims int
+	if err := direct.QueryRow(ctx, `SELECT coalesce(sum(duplicates), 0) FROM idem.duplicate_counts WHERE source = 'b'`).Scan(&claims); err != nil || claims < 40 {
+		t.Fatalf("%d duplicates reached the database, want every one (about 60)", claims)
+	}
+}
+
+const cacheChildEnv = "IDEM_CACHE_CHILD"
+
+// cacheChild is the second process of TestCacheReleaseAcrossProcesses: a
+// cached client that answers "claim KEY" lines on stdin with the outcome
+// and whether the database counted it.
+func cacheChild() int {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, os.Getenv("CHILD_URL"))
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
+	defer pool.Close()
+	c := idem.New(pool, &idem.Config{Cache: &idem.CacheConfig{MaxAge: time.Minute}})
+	defer c.Close()
+	in := bufio.NewScanner(os.Stdin)
+	for in.Scan() {
+		key := strings.TrimPrefix(in.Text(), "claim ")
+		cl, err := c.Claim(ctx, "x", key)
+		if err != nil {
+			fmt.Println("error", err)
+			continue
+		}
+		fmt.Println(cl.Outcome)
+	}
+	return 0
+}
+
+// TestCacheReleaseAcrossProcesses: another process caches a completed key;
+// idem.release in this one, and ReleaseGrace later that process answers
+// the key from the database (acquired: the work runs again), never from
+// its cache.
+func TestCacheReleaseAcrossProcesses(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.Pool(t, url, 4)
+	countEvery(t, pool, "x")
+	c := idem.New(pool, nil)
+	if _, err := c.Do(ctx, "x", "evt_1", func(context.Context) (any, error) { return "done", nil }); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), cacheChildEnv+"=1", "CHILD_URL="+url)
+	stdin, _ := cmd.StdinPipe()
+	stdout, _ := cmd.StdoutPipe()
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { stdin.Close(); _ = cmd.Wait() })
+	out := bufio.NewScanner(stdout)
+	claim := func(key string) string {
+		t.Helper()
+		if _, err := io.WriteString(stdin, "claim "+key+"\n"); err != nil {
+			t.Fatal(err)
+		}
+		if !out.Scan() {
+			t.Fatalf("the child process stopped: %v", out.Err())
+		}
+		return out.Text()
+	}
+	// Fill the child's cache: claims until the database stops counting them.
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		before := counted(t, pool, "x")
+		if o := claim("evt_1"); o != "completed" {
+			t.Fatalf("child: %s", o)
+		}
+		if counted(t, pool, "x") == before {
+			break // answered from the cache
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the child's cache never answered")
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	var n int64
+	if err := pool.QueryRow(ctx, `SELECT idem.release('x', 'evt_1')`).Scan(&n); err != nil || n != 1 {
+		t.Fatalf("release: %d %v", n, err)
+	}
+	time.Sleep(idem.ReleaseGrace)
+	if o := claim("evt_1"); o != "acquired" {
+		t.Fatalf("the child answered %s after the release, want acquired (from the database)", o)
+	}
+}
+
+// TestRelease: idem.release refuses a key in progress under a live lease
+// (ID004); releases a completed key, which runs again.
+func TestRelease(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, c := setup(t)
+	_, _ = c.Claim(ctx, "r", "busy")
+	_, err := pool.Exec(ctx, `SELECT idem.release('r', 'busy')`)
+	var state interface{ SQLState() string }
+	if !errors.As(err, &state) || state.SQLState() != "ID004" {
+		t.Fatalf("release of a key in progress: %v", err)
+	}
+	runs := 0
+	work := func(context.Context) (any, error) { runs++; return nil, nil }
+	_, _ = c.Do(ctx, "r", "done", work)
+	if _, err := pool.Exec(ctx, `SELECT idem.release('r', 'done')`); err != nil {
+		t.Fatal(err)
+	}
+	_, _ = c.Do(ctx, "r", "done", work)
+	if runs != 2 {
+		t.Fatalf("runs %d, want 2 (released in between)", runs)
+	}
+}
