@@ -8,6 +8,24 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
+type IdemAdoption struct {
+	ID           int64
+	Source       string
+	Legacy       interface{}
+	KeyColumn    string
+	AtColumn     string
+	ResultColumn *string
+	Ttl          pgtype.Interval
+	State        string
+	LastKey      *string
+	Copied       int64
+	Skipped      int64
+	Batches      int64
+	StartedAt    pgtype.Timestamptz
+	UpdatedAt    pgtype.Timestamptz
+	FinishedAt   pgtype.Timestamptz
+}
+
 type IdemDuplicateCount struct {
 	Source     string
 	Slot       int32

@@ -11,6 +11,24 @@ import (
 	"github.com/sqlc-dev/pqtype"
 )
 
+type IdemAdoption struct {
+	ID           int64
+	Source       string
+	Legacy       interface{}
+	KeyColumn    string
+	AtColumn     string
+	ResultColumn sql.NullString
+	Ttl          int64
+	State        string
+	LastKey      sql.NullString
+	Copied       int64
+	Skipped      int64
+	Batches      int64
+	StartedAt    sql.NullTime
+	UpdatedAt    sql.NullTime
+	FinishedAt   sql.NullTime
+}
+
 type IdemDuplicateCount struct {
 	Source     string
 	Slot       int32

@@ -17,10 +17,11 @@ func TestMigrateCommand(t *testing.T) {
 		args []string
 		want string
 	}{
-		{[]string{"migrate", "up"}, "applied 00008_idem_wait.sql"},
+		{[]string{"migrate", "up"}, "applied 00009_idem_adopt.sql"},
 		{[]string{"migrate", "up"}, "idem schema is up to date"},
-		{[]string{"migrate", "version"}, "8"},
+		{[]string{"migrate", "version"}, "9"},
 		{[]string{"migrate", "status"}, "00001_idem_core.sql                      applied"},
+		{[]string{"migrate", "down"}, "rolled back 00009_idem_adopt.sql"},
 		{[]string{"migrate", "down"}, "rolled back 00008_idem_wait.sql"},
 		{[]string{"migrate", "down"}, "rolled back 00007_idem_inbox_holds.sql"},
 		{[]string{"migrate", "down"}, "rolled back 00006_idem_maintenance_steps.sql"},
