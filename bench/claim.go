@@ -52,6 +52,7 @@ type v2row struct {
 }
 
 type v2table struct {
+	title   string // default: the claim table's
 	servers []string
 	rows    []*v2row
 }
@@ -71,7 +72,11 @@ func (t *v2table) write(w io.Writer) {
 	if len(t.rows) == 0 {
 		return
 	}
-	fmt.Fprintf(w, "## Claim (pgbench; median ratio of interleaved rounds, spread min..max)\n\n")
+	title := t.title
+	if title == "" {
+		title = "Claim (pgbench; median ratio of interleaved rounds, spread min..max)"
+	}
+	fmt.Fprintf(w, "## %s\n\n", title)
 	fmt.Fprintf(w, "| path | %s | target |\n|---|%s---|\n", strings.Join(t.servers, " | "), strings.Repeat("---|", len(t.servers)))
 	for _, r := range t.rows {
 		var cols []string
@@ -88,8 +93,10 @@ func (t *v2table) write(w io.Writer) {
 	fmt.Fprintln(w)
 }
 
-// benchClaim fills the claim table on each server.
-func benchClaim(ctx context.Context, e *env, o options, t *v2table) error {
+// onServers runs section on each server of a two-column table: a durable
+// cluster of its own (fsync on) and the bench's (fsync off), or the server
+// given with -database-url alone.
+func onServers(ctx context.Context, e *env, t *v2table, section string, run func(context.Context, server) error) error {
 	var servers []server
 	if e.cluster != nil {
 		c, err := pgcluster.Start(ctx, pgcluster.Durable())
@@ -105,12 +112,17 @@ func benchClaim(ctx context.Context, e *env, o options, t *v2table) error {
 		t.servers = append(t.servers, s.name)
 	}
 	for _, s := range servers {
-		fmt.Fprintf(os.Stderr, "bench: claim on %s...\n", s.name)
-		if err := benchClaimOn(ctx, s, o, t); err != nil {
+		fmt.Fprintf(os.Stderr, "bench: %s on %s...\n", section, s.name)
+		if err := run(ctx, s); err != nil {
 			return fmt.Errorf("%s: %w", s.name, err)
 		}
 	}
 	return nil
+}
+
+// benchClaim fills the claim table on each server.
+func benchClaim(ctx context.Context, e *env, o options, t *v2table) error {
+	return onServers(ctx, e, t, "claim", func(ctx context.Context, s server) error { return benchClaimOn(ctx, s, o, t) })
 }
 
 func benchClaimOn(ctx context.Context, s server, o options, t *v2table) error {

@@ -54,7 +54,7 @@ func main() {
 	flag.IntVar(&o.rounds, "rounds", 0, "interleaved rounds per comparison (default 3, full 5)")
 	flag.DurationVar(&o.duration, "duration", 0, "length of one side of one round (default 2s, full 5s)")
 	flag.StringVar(&o.out, "out", "bench/results.md", "write the markdown table here too")
-	flag.StringVar(&o.only, "only", "", "run only the sections whose name contains this (claim, dup, complete, lib, maint, retention, scale, inbox, wait, cache, adopt)")
+	flag.StringVar(&o.only, "only", "", "run only the sections whose name contains this (claim, dup, complete, lib, maint, retention, scale, inbox, wait, cache, adopt, e2e)")
 	flag.Parse()
 	o.defaults()
 
@@ -155,6 +155,7 @@ func run(ctx context.Context, o options) error {
 
 	t := &table{}
 	claims := &v2table{}
+	e2e := &v2table{title: "End to end, through the Go API (median ratio of interleaved rounds, spread min..max)"}
 	sections := []struct {
 		name string
 		fn   func(context.Context, *env, options, *table) error
@@ -170,6 +171,7 @@ func run(ctx context.Context, o options) error {
 		{"wait", benchWait},
 		{"cache", benchCache},
 		{"adopt", benchAdopt},
+		{"e2e", func(ctx context.Context, e *env, o options, _ *table) error { return benchE2E(ctx, e, o, e2e) }},
 	}
 	for _, s := range sections {
 		if o.only != "" && !strings.Contains(s.name, o.only) {
@@ -192,6 +194,7 @@ func run(ctx context.Context, o options) error {
 	fmt.Fprintf(&w, "- settings: %s\n", settings)
 	fmt.Fprintf(&w, "- sizes: %s; %d interleaved rounds of %s per side\n\n", sizes(o), o.rounds, o.duration)
 	claims.write(&w)
+	e2e.write(&w)
 	fmt.Fprintf(&w, "## The rest (settings above)\n\n")
 	t.write(&w)
 	fmt.Print(w.String())

@@ -2,9 +2,7 @@ package migrate_test
 
 import (
 	"context"
-	"fmt"
 	"testing"
-	"time"
 )
 
 // TestUpgradeTo7: a version-6 database holding keys, an application role,
@@ -21,20 +19,7 @@ func TestUpgradeTo7(t *testing.T) {
 	if _, err := p.UpTo(ctx, 6); err != nil {
 		t.Fatal(err)
 	}
-	stamp := time.Now().UnixNano()
-	app, maint := fmt.Sprintf("idem_up7_app_%d", stamp), fmt.Sprintf("idem_up7_maint_%d", stamp)
-	for _, r := range []string{app, maint} {
-		if _, err := db.ExecContext(ctx, `CREATE ROLE `+r); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() {
-			_, _ = db.ExecContext(context.Background(), `DROP OWNED BY `+r)
-			_, _ = db.ExecContext(context.Background(), `DROP ROLE `+r)
-		})
-	}
-	if _, err := db.ExecContext(ctx, `SELECT idem.grant_app($1::regrole), idem.grant_maintainer($2::regrole)`, app, maint); err != nil {
-		t.Fatal(err)
-	}
+	app, maint := appAndMaintainer(t, db, "idem_up7")
 	if _, err := db.ExecContext(ctx, `
 		INSERT INTO idem.processed_events (source, key, first_seen_month, status, token, result, first_seen, updated_at, expires_at)
 		SELECT 'up', 'done-' || g, idem.utc_month(now()), 'completed', idem.new_token(), '{"v": 1}'::jsonb, now(), now(), now() + interval '20 days'

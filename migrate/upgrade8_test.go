@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/md5"
 	"encoding/hex"
-	"fmt"
 	"testing"
 	"time"
 
@@ -30,20 +29,7 @@ func TestUpgradeTo8(t *testing.T) {
 	if _, err := p.UpTo(ctx, 7); err != nil {
 		t.Fatal(err)
 	}
-	stamp := time.Now().UnixNano()
-	app, maint := fmt.Sprintf("idem_up8_app_%d", stamp), fmt.Sprintf("idem_up8_maint_%d", stamp)
-	for _, r := range []string{app, maint} {
-		if _, err := db.ExecContext(ctx, `CREATE ROLE `+r); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() {
-			_, _ = db.ExecContext(context.Background(), `DROP OWNED BY `+r)
-			_, _ = db.ExecContext(context.Background(), `DROP ROLE `+r)
-		})
-	}
-	if _, err := db.ExecContext(ctx, `SELECT idem.grant_app($1::regrole), idem.grant_maintainer($2::regrole)`, app, maint); err != nil {
-		t.Fatal(err)
-	}
+	app, maint := appAndMaintainer(t, db, "idem_up8")
 	if _, err := db.ExecContext(ctx, `
 		INSERT INTO idem.processed_events (source, key, first_seen_month, status, token, result, first_seen, updated_at, expires_at)
 		SELECT 'up', 'done-' || g, idem.utc_month(now()), 'completed', idem.new_token(), '{"v": 1}'::jsonb, now(), now(), now() + interval '20 days'

@@ -376,3 +376,26 @@ func TestUpgradeTo6(t *testing.T) {
 	}
 	claimAll("up to 6 again")
 }
+
+// appAndMaintainer creates two roles for the test (dropped at its end),
+// granted the application's and the maintainer's rights at the current
+// version, and returns their names.
+func appAndMaintainer(t *testing.T, db *sql.DB, prefix string) (app, maint string) {
+	t.Helper()
+	ctx := context.Background()
+	stamp := time.Now().UnixNano()
+	app, maint = fmt.Sprintf("%s_app_%d", prefix, stamp), fmt.Sprintf("%s_maint_%d", prefix, stamp)
+	for _, r := range []string{app, maint} {
+		if _, err := db.ExecContext(ctx, `CREATE ROLE `+r); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			_, _ = db.ExecContext(context.Background(), `DROP OWNED BY `+r)
+			_, _ = db.ExecContext(context.Background(), `DROP ROLE `+r)
+		})
+	}
+	if _, err := db.ExecContext(ctx, `SELECT idem.grant_app($1::regrole), idem.grant_maintainer($2::regrole)`, app, maint); err != nil {
+		t.Fatal(err)
+	}
+	return app, maint
+}

@@ -59,6 +59,13 @@ func TestSenders(t *testing.T) {
 				t.Fatalf("codes %v", codes)
 			}
 			runs.AssertOnce(t, ev)
+			// Retention: the Stripe preset keeps keys 7 days (docs/http.md),
+			// the others the default policy's 30.
+			var days float64
+			if err := pool.QueryRow(context.Background(), `SELECT extract(epoch FROM expires_at - first_seen) / 86400 FROM idem.processed_events LIMIT 1`).Scan(&days); err != nil ||
+				days != map[bool]float64{true: 7, false: 30}[ev.Sender == "stripe"] {
+				t.Fatalf("keys kept %v days (%v)", days, err)
+			}
 
 			resp, body := idemtest.Send(t, srv.URL, tc.sender.Redeliver(ev))
 			if resp.StatusCode != 200 || resp.Header.Get(idemhttp.ReplayedHeader) != "true" || string(body) != "done\n" {
