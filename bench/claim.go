@@ -226,10 +226,12 @@ func rotationP99(ctx context.Context, s server, dbURL string, o options, t *v2ta
 		if err != nil {
 			return err
 		}
+		ws := sampleWaits(ctx, pool)
 		d, err := during(ctx, o.duration, claims, func() error {
 			_, err := partition.Rotate(ctx, pool, partition.Config{})
 			return err
 		})
+		ws.stop(fmt.Sprintf("%s, claims (pgbench, 8 clients) during rotation, round %d", s.name, r+1))
 		if err != nil {
 			return err
 		}

@@ -142,9 +142,16 @@ func benchE2EOn(ctx context.Context, s server, o options, t *v2table) error {
 					if work > 0 {
 						w = "1 ms of work"
 					}
+					var ws *waitSampler
+					if clients >= 32 && work == 0 {
+						ws = sampleWaits(ctx, pool)
+					}
 					cmp, err := interleave(ctx, o.rounds, clients, o.duration, do, hand)
 					if err != nil {
 						return err
+					}
+					if ws != nil {
+						ws.stop(fmt.Sprintf("%s, Do and the hand-written pattern, %s, %s, %d clients", s.name, keys, md.name, clients))
 					}
 					target := "information"
 					if work == 0 {

@@ -195,6 +195,9 @@ func run(ctx context.Context, o options) error {
 	fmt.Fprintf(&w, "- sizes: %s; %d interleaved rounds of %s per side\n\n", sizes(o), o.rounds, o.duration)
 	claims.write(&w)
 	e2e.write(&w)
+	if len(waitNotes) > 0 {
+		fmt.Fprintf(&w, "## What the statements wait on (pg_stat_activity sampled every 5 ms; CPU: no wait event)\n\n%s\n\n", strings.Join(waitNotes, "\n"))
+	}
 	fmt.Fprintf(&w, "## The rest (settings above)\n\n")
 	t.write(&w)
 	fmt.Print(w.String())
