@@ -21,6 +21,10 @@ const (
 	releaseChannel = "idem_released"
 )
 
+// ListenerApplicationName is the application_name of a client's listening
+// connection (WithWait, Config.Cache), as pg_stat_activity shows it.
+const ListenerApplicationName = "idem listener"
+
 // Listener timings.
 const (
 	listenIdle    = 10 * time.Second // the connection closes this long after the last waiter left
@@ -188,7 +192,9 @@ var errNoSelfNotify = errors.New("LISTEN receives no notifications on this conne
 
 func (h *hub) listen(ctx context.Context) error {
 	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	conn, err := pgx.ConnectConfig(cctx, h.pool.Config().ConnConfig.Copy())
+	cfg := h.pool.Config().ConnConfig.Copy()
+	cfg.RuntimeParams["application_name"] = ListenerApplicationName
+	conn, err := pgx.ConnectConfig(cctx, cfg)
 	cancel()
 	if err != nil {
 		return err

@@ -157,3 +157,61 @@ func TestNotifyOnlyWhenWaited(t *testing.T) {
 		t.Fatalf("%d waiters left (%v)", n, err)
 	}
 }
+
+// TestListenerCloses: a pool client's waiters share one LISTEN connection,
+// opened when the first one waits and closed 10 s after the last one left
+// (docs/http.md); a client with a cache keeps it until Close.
+func TestListenerCloses(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.Pool(t, url, 8)
+	listeners := func() int {
+		var n int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = $1`, idem.ListenerApplicationName).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	c := idem.New(pool, nil)
+	orig, _ := c.Claim(ctx, "l", "k")
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for range 5 { // five waiters at once, one connection
+			go func() { _, _ = c.Claim(ctx, "l", "k", idem.WithWait(10*time.Second)) }()
+		}
+	}()
+	<-done
+	for deadline := time.Now().Add(5 * time.Second); listeners() != 1; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d listening connections while 5 wait, want 1", listeners())
+		}
+	}
+	if err := c.Complete(ctx, "l", "k", orig.Token, nil); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(9 * time.Second)
+	if n := listeners(); n != 1 {
+		t.Fatalf("%d listening connections 9 s after the last waiter, want 1 (kept 10 s)", n)
+	}
+	for deadline := time.Now().Add(5 * time.Second); listeners() != 0; time.Sleep(100 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the listening connection is still open 14 s after the last waiter left")
+		}
+	}
+	// A cache keeps its listener until Close.
+	cc := idem.New(pool, &idem.Config{Cache: &idem.CacheConfig{}})
+	_, _ = cc.Claim(ctx, "l", "k")
+	for deadline := time.Now().Add(5 * time.Second); listeners() != 1; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("no listener for the cache")
+		}
+	}
+	cc.Close()
+	for deadline := time.Now().Add(5 * time.Second); listeners() != 0; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the cache's listener is still open after Close")
+		}
+	}
+}
