@@ -252,3 +252,44 @@ func TestRelease(t *testing.T) {
 		t.Fatalf("runs %d, want 2 (released in between)", runs)
 	}
 }
+
+// TestCacheListenerKilled: the cache's listening connection is terminated
+// (a failover, an operator's pg_terminate_backend): once the freshness
+// window (1.5 s) has passed, the next duplicate is the database's answer
+// (releases may have gone unheard), and the cache refills after the
+// listener is back.
+func TestCacheListenerKilled(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t, testdb.New(t), 8)
+	countEvery(t, pool, "kill")
+	c := cachedClient(t, pool)
+	if _, err := c.Do(ctx, "kill", "k", func(context.Context) (any, error) { return 1, nil }); err != nil {
+		t.Fatal(err)
+	}
+	fromCache := func() bool {
+		before := counted(t, pool, "kill")
+		if cl, err := c.Claim(ctx, "kill", "k"); err != nil || cl.Outcome != idem.Completed {
+			t.Fatalf("%+v %v", cl, err)
+		}
+		return counted(t, pool, "kill") == before
+	}
+	for deadline := time.Now().Add(10 * time.Second); !fromCache(); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the cache never answered")
+		}
+	}
+	var killed int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity a, pg_terminate_backend(a.pid) WHERE a.datname = current_database() AND a.application_name = $1`, idem.ListenerApplicationName).Scan(&killed); err != nil || killed != 1 {
+		t.Fatalf("terminated %d listeners (%v)", killed, err)
+	}
+	time.Sleep(1600 * time.Millisecond)
+	if fromCache() {
+		t.Fatal("the cache answered 1.6 s after its listener was killed, from before")
+	}
+	for deadline := time.Now().Add(10 * time.Second); !fromCache(); time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the cache did not come back after the listener reconnected")
+		}
+	}
+}

@@ -183,8 +183,11 @@ func (h *hub) run(ctx context.Context) {
 	}
 	h.wake("") // they look again, and poll from now on
 	if err != nil && ctx.Err() == nil {
-		h.log.LogAttrs(context.Background(), slog.LevelInfo, "idem: waiting duplicates poll instead of listening",
-			slog.Time("until", h.noUntil), slog.Any("reason", err))
+		msg := "idem: waiting duplicates poll instead of listening"
+		if h.cache != nil {
+			msg += "; the cache of completed outcomes does not answer until the listener is back"
+		}
+		h.log.LogAttrs(context.Background(), slog.LevelInfo, msg, slog.Time("until", h.noUntil), slog.Any("reason", err))
 	}
 }
 
