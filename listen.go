@@ -177,6 +177,7 @@ func (h *hub) run(ctx context.Context) {
 			h.noUntil = time.Now().Add(listenBackoff)
 		}
 	}
+	until := h.noUntil
 	h.mu.Unlock()
 	if h.cache != nil {
 		h.cache.drop("") // releases may go unheard from now on
@@ -187,7 +188,7 @@ func (h *hub) run(ctx context.Context) {
 		if h.cache != nil {
 			msg += "; the cache of completed outcomes does not answer until the listener is back"
 		}
-		h.log.LogAttrs(context.Background(), slog.LevelInfo, msg, slog.Time("until", h.noUntil), slog.Any("reason", err))
+		h.log.LogAttrs(context.Background(), slog.LevelInfo, msg, slog.Time("until", until), slog.Any("reason", err))
 	}
 }
 
