@@ -116,7 +116,7 @@ func TestHelpEverywhere(t *testing.T) {
 		{"--help"}, {"migrate", "--help"}, {"migrate", "-h"}, {"migrate", "up", "--help"}, {"migrate", "down", "--help"},
 		{"migrate", "status", "--help"}, {"migrate", "version", "--help"},
 		{"partitions", "--help"}, {"partitions", "rotate", "--help"}, {"partitions", "list", "--help"},
-		{"prune", "--help"}, {"run", "--help"}, {"stats", "--help"}, {"check", "--help"}, {"grant", "--help"}, {"demo", "--help"}, {"release", "--help"},
+		{"prune", "--help"}, {"run", "--help"}, {"stats", "--help"}, {"check", "--help"}, {"grant", "--help"}, {"demo", "--help"}, {"release", "--help"}, {"adopt", "--help"},
 	} {
 		r := idemctl(t, ctx, nil, args...)
 		if r.code != 0 || !strings.Contains(r.out, "Usage") {

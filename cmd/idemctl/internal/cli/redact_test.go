@@ -45,7 +45,7 @@ func TestPasswordNeverPrinted(t *testing.T) {
 		{"migrate", "up"}, {"migrate", "down"}, {"migrate", "status"}, {"migrate", "version"},
 		{"prune"}, {"partitions", "rotate"}, {"partitions", "list"}, {"run", "--listen", ""},
 		{"stats"}, {"check"}, {"grant", "--app", "someone"}, {"inbox", "list"}, {"inbox", "replay", "--source", "s"},
-		{"release", "--source", "s", "--key", "k"},
+		{"release", "--source", "s", "--key", "k"}, {"adopt", "--table", "t", "--source", "s", "--key-column", "k", "--at-column", "a"},
 		{"demo", "--timeouts=false"},
 	}
 	for dname, dsn := range dsns {
