@@ -155,6 +155,12 @@ func TestAdopt(t *testing.T) {
 	if keys != live || distinct != live || withResult != live || old != 0 {
 		t.Fatalf("adopted %d keys (%d distinct, %d with their result, %d expired ones), want %d, each once with its result, none expired", keys, distinct, withResult, old, live)
 	}
+	// The months the live rows were processed in were made first: none
+	// went to the default partition.
+	var stray int64
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem.processed_events_default`).Scan(&stray); err != nil || stray != 0 {
+		t.Fatalf("%d adopted rows in the default partition (%v)", stray, err)
+	}
 	var ranOnce int64
 	_ = pool.QueryRow(ctx, `SELECT count(*) FROM idem.processed_events WHERE source = 'legacy' AND key LIKE 'new_%' AND status = 'completed'`).Scan(&ranOnce)
 	if ranOnce != newRuns.Load() {
