@@ -20,12 +20,7 @@ func TestUpgradeTo7(t *testing.T) {
 		t.Fatal(err)
 	}
 	app, maint := appAndMaintainer(t, db, "idem_up7")
-	if _, err := db.ExecContext(ctx, `
-		INSERT INTO idem.processed_events (source, key, first_seen_month, status, token, result, first_seen, updated_at, expires_at)
-		SELECT 'up', 'done-' || g, idem.utc_month(now()), 'completed', idem.new_token(), '{"v": 1}'::jsonb, now(), now(), now() + interval '20 days'
-		  FROM generate_series(1, 100) g`); err != nil {
-		t.Fatal(err)
-	}
+	seedCompleted(t, db)
 	var legacy int64
 	if err := db.QueryRowContext(ctx, `SELECT token FROM idem.claim('inbox', 'legacy-job', lease => '1 hour')`).Scan(&legacy); err != nil {
 		t.Fatal(err)
@@ -33,15 +28,7 @@ func TestUpgradeTo7(t *testing.T) {
 	if _, err := p.Up(ctx); err != nil {
 		t.Fatal(err)
 	}
-	claimAll := func(stage string) {
-		t.Helper()
-		var n int
-		if err := db.QueryRowContext(ctx, `SELECT count(*) FROM generate_series(1, 100) g, LATERAL idem.claim('up', 'done-' || g) c
-		                                    WHERE c.outcome = 'completed' AND c.result = '{"v": 1}'`).Scan(&n); err != nil || n != 100 {
-			t.Fatalf("%s: %d of 100 keys answered completed with their result (%v)", stage, n, err)
-		}
-	}
-	claimAll("after the upgrade to 7")
+	completedAnswered(t, db, "after the upgrade to 7")
 	var rights bool
 	if err := db.QueryRowContext(ctx, `SELECT has_function_privilege($1, 'idem.queue_take(text, text, bigint, bigint, interval)', 'EXECUTE')
 		AND has_function_privilege($1, 'idem.queue_complete(text, text, bigint, bigint, jsonb, text)', 'EXECUTE')
@@ -81,7 +68,7 @@ func TestUpgradeTo7(t *testing.T) {
 	if _, err := p.DownTo(ctx, 6); err != nil {
 		t.Fatal(err)
 	}
-	claimAll("down to 6")
+	completedAnswered(t, db, "down to 6")
 	var gone bool
 	if err := db.QueryRowContext(ctx, `SELECT to_regclass('idem.holds') IS NULL AND to_regprocedure('idem.queue_take(text, text, bigint, bigint, interval)') IS NULL`).Scan(&gone); err != nil || !gone {
 		t.Fatalf("version 7's objects left after down: %v", err)
@@ -89,5 +76,5 @@ func TestUpgradeTo7(t *testing.T) {
 	if _, err := p.Up(ctx); err != nil {
 		t.Fatal(err)
 	}
-	claimAll("up to 7 again")
+	completedAnswered(t, db, "up to 7 again")
 }

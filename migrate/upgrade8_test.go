@@ -30,28 +30,15 @@ func TestUpgradeTo8(t *testing.T) {
 		t.Fatal(err)
 	}
 	app, maint := appAndMaintainer(t, db, "idem_up8")
-	if _, err := db.ExecContext(ctx, `
-		INSERT INTO idem.processed_events (source, key, first_seen_month, status, token, result, first_seen, updated_at, expires_at)
-		SELECT 'up', 'done-' || g, idem.utc_month(now()), 'completed', idem.new_token(), '{"v": 1}'::jsonb, now(), now(), now() + interval '20 days'
-		  FROM generate_series(1, 100) g`); err != nil {
-		t.Fatal(err)
-	}
+	seedCompleted(t, db)
 	var token int64
 	if err := db.QueryRowContext(ctx, `SELECT token FROM idem.claim('up', 'running', lease => '1 hour')`).Scan(&token); err != nil {
 		t.Fatal(err)
 	}
-	claimAll := func(stage string) {
-		t.Helper()
-		var n int
-		if err := db.QueryRowContext(ctx, `SELECT count(*) FROM generate_series(1, 100) g, LATERAL idem.claim('up', 'done-' || g) c
-		                                    WHERE c.outcome = 'completed' AND c.result = '{"v": 1}'`).Scan(&n); err != nil || n != 100 {
-			t.Fatalf("%s: %d of 100 keys answered completed with their result (%v)", stage, n, err)
-		}
-	}
 	if _, err := p.Up(ctx); err != nil {
 		t.Fatal(err)
 	}
-	claimAll("after the upgrade to 8")
+	completedAnswered(t, db, "after the upgrade to 8")
 	var rights bool
 	if err := db.QueryRowContext(ctx, `SELECT has_function_privilege($1, 'idem.wait_begin(text, text, interval)', 'EXECUTE')
 		AND has_function_privilege($1, 'idem.wait_end(bigint)', 'EXECUTE')
@@ -99,7 +86,7 @@ func TestUpgradeTo8(t *testing.T) {
 	if _, err := p.DownTo(ctx, 7); err != nil {
 		t.Fatal(err)
 	}
-	claimAll("down to 7")
+	completedAnswered(t, db, "down to 7")
 	var gone bool
 	if err := db.QueryRowContext(ctx, `SELECT to_regclass('idem.waiters') IS NULL AND to_regprocedure('idem.peek(text, text)') IS NULL
 		AND NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'processed_events_done')`).Scan(&gone); err != nil || !gone {
@@ -108,5 +95,5 @@ func TestUpgradeTo8(t *testing.T) {
 	if _, err := p.Up(ctx); err != nil {
 		t.Fatal(err)
 	}
-	claimAll("up to 8 again")
+	completedAnswered(t, db, "up to 8 again")
 }

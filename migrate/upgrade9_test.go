@@ -17,10 +17,8 @@ func TestUpgradeTo9(t *testing.T) {
 	if _, err := p.UpTo(ctx, 8); err != nil {
 		t.Fatal(err)
 	}
+	seedCompleted(t, db)
 	if _, err := db.ExecContext(ctx, `
-		INSERT INTO idem.processed_events (source, key, first_seen_month, status, token, result, first_seen, updated_at, expires_at)
-		SELECT 'up', 'done-' || g, idem.utc_month(now()), 'completed', idem.new_token(), '{"v": 1}'::jsonb, now(), now(), now() + interval '20 days'
-		  FROM generate_series(1, 100) g;
 		SELECT idem.claim('up', 'running', lease => '1 hour');
 		CREATE TABLE public.legacy_events (id text PRIMARY KEY, at timestamptz NOT NULL);
 		INSERT INTO public.legacy_events VALUES ('evt_old', now() - interval '1 day')`); err != nil {
@@ -28,12 +26,10 @@ func TestUpgradeTo9(t *testing.T) {
 	}
 	answers := func(stage string) {
 		t.Helper()
-		var n int
+		completedAnswered(t, db, stage)
 		var running string
-		if err := db.QueryRowContext(ctx, `SELECT count(*) FILTER (WHERE c.outcome = 'completed' AND c.result = '{"v": 1}'),
-		                                          (SELECT r.outcome FROM idem.claim('up', 'running') r)
-		                                     FROM generate_series(1, 100) g, LATERAL idem.claim('up', 'done-' || g) c`).Scan(&n, &running); err != nil || n != 100 || running != "in_progress" {
-			t.Fatalf("%s: %d of 100 completed keys answered, the key in progress %q (%v)", stage, n, running, err)
+		if err := db.QueryRowContext(ctx, `SELECT outcome FROM idem.claim('up', 'running')`).Scan(&running); err != nil || running != "in_progress" {
+			t.Fatalf("%s: the key in progress answered %q (%v)", stage, running, err)
 		}
 	}
 	if _, err := p.Up(ctx); err != nil {

@@ -399,3 +399,26 @@ func appAndMaintainer(t *testing.T, db *sql.DB, prefix string) (app, maint strin
 	}
 	return app, maint
 }
+
+// seedCompleted stores 100 completed keys of source 'up' ("done-1" to
+// "done-100", result {"v": 1}), for an upgrade test to claim before and
+// after; completedAnswered checks that every one answers completed with
+// its result.
+func seedCompleted(t *testing.T, db *sql.DB) {
+	t.Helper()
+	if _, err := db.ExecContext(context.Background(), `
+		INSERT INTO idem.processed_events (source, key, first_seen_month, status, token, result, first_seen, updated_at, expires_at)
+		SELECT 'up', 'done-' || g, idem.utc_month(now()), 'completed', idem.new_token(), '{"v": 1}'::jsonb, now(), now(), now() + interval '20 days'
+		  FROM generate_series(1, 100) g`); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func completedAnswered(t *testing.T, db *sql.DB, stage string) {
+	t.Helper()
+	var n int
+	if err := db.QueryRowContext(context.Background(), `SELECT count(*) FROM generate_series(1, 100) g, LATERAL idem.claim('up', 'done-' || g) c
+	                                    WHERE c.outcome = 'completed' AND c.result = '{"v": 1}'`).Scan(&n); err != nil || n != 100 {
+		t.Fatalf("%s: %d of 100 keys answered completed with their result (%v)", stage, n, err)
+	}
+}
