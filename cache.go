@@ -158,10 +158,3 @@ func (c *cache) drop(digest string) {
 		delete(c.byKey, digest)
 	}
 }
-
-// len is the number of keys cached.
-func (c *cache) len() int {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.lru.Len()
-}

