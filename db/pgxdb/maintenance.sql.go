@@ -256,6 +256,35 @@ func (q *Queries) PublicRoutines(ctx context.Context) ([]string, error) {
 	return items, nil
 }
 
+const recordRun = `-- name: RecordRun :one
+SELECT idem.record_run($1::text, $2::timestamptz, $3::text,
+                       $4::jsonb, $5::text, $6::text)::bigint AS id
+`
+
+type RecordRunParams struct {
+	Job       string
+	StartedAt pgtype.Timestamptz
+	Outcome   string
+	Figures   []byte
+	Error     *string
+	RunBy     string
+}
+
+// Records a maintenance run in idem.runs (migration 10).
+func (q *Queries) RecordRun(ctx context.Context, arg RecordRunParams) (int64, error) {
+	row := q.db.QueryRow(ctx, recordRun,
+		arg.Job,
+		arg.StartedAt,
+		arg.Outcome,
+		arg.Figures,
+		arg.Error,
+		arg.RunBy,
+	)
+	var id int64
+	err := row.Scan(&id)
+	return id, err
+}
+
 const release = `-- name: Release :one
 SELECT idem.release($1::text, $2::text)::bigint AS released
 `
@@ -307,37 +336,42 @@ func (q *Queries) RetirePartition(ctx context.Context, arg RetirePartitionParams
 	return result, err
 }
 
+const snapshotStats = `-- name: SnapshotStats :one
+SELECT idem.snapshot_stats()::integer AS sources
+`
+
+// Stores idem.source_stats() in idem.source_snapshots (migration 10).
+func (q *Queries) SnapshotStats(ctx context.Context) (int32, error) {
+	row := q.db.QueryRow(ctx, snapshotStats)
+	var sources int32
+	err := row.Scan(&sources)
+	return sources, err
+}
+
 const sourceStats = `-- name: SourceStats :many
-SELECT e.source::text                                                        AS source,
-       count(*)::bigint                                                      AS keys,
-       (count(*) FILTER (WHERE e.status = 'processing'))::bigint             AS processing,
-       (count(*) FILTER (WHERE e.status = 'completed'))::bigint              AS completed,
-       (count(*) FILTER (WHERE e.status = 'completed'
-                          AND e.last_error IS NOT NULL))::bigint             AS unstored,
-       -- failed and released for a retry (the next delivery runs it again)
-       -- apart from failed for good (fail(retryable => false), max_attempts).
-       (count(*) FILTER (WHERE e.status = 'failed'
-                          AND e.retryable IS DISTINCT FROM false))::bigint   AS released,
-       (count(*) FILTER (WHERE e.status = 'failed'
-                          AND e.retryable = false))::bigint                  AS failed,
+SELECT s.source::text                                                        AS source,
+       s.keys::bigint                                                        AS keys,
+       s.processing::bigint                                                  AS processing,
+       s.completed::bigint                                                   AS completed,
+       s.unstored::bigint                                                    AS unstored,
+       s.released::bigint                                                    AS released,
+       s.failed::bigint                                                      AS failed,
        -- Duplicates per source are counted in idem.duplicate_counts (sampled,
        -- unlogged); per-key counts in the rows only when a policy asks.
        coalesce((SELECT sum(d.duplicates) FROM idem.duplicate_counts d
-                  WHERE d.source = e.source), 0)::bigint                     AS duplicates,
+                  WHERE d.source = s.source), 0)::bigint                     AS duplicates,
        -- 1 in duplicate_sampling duplicates is counted, as that many: with
        -- sampling above 1 the count is an estimate (0: not counted).
        coalesce((SELECT p.duplicate_sampling FROM idem.policies p
-                  WHERE p.source IN (e.source, '*')
+                  WHERE p.source IN (s.source, '*')
                   ORDER BY p.source = '*' LIMIT 1), 0)::integer              AS duplicate_sampling,
-       (count(*) FILTER (WHERE e.attempts > 1))::bigint                      AS retried,
-       (count(*) FILTER (WHERE e.status = 'processing'
-                          AND e.lease_expires_at < idem.clock()))::bigint     AS stuck,
-       (count(*) FILTER (WHERE e.expires_at < idem.clock()))::bigint         AS expired,
-       min(e.first_seen)::timestamptz                                        AS oldest,
-       max(e.first_seen)::timestamptz                                        AS newest
-  FROM idem.processed_events e
- GROUP BY e.source
- ORDER BY e.source
+       s.retried::bigint                                                     AS retried,
+       s.stuck::bigint                                                       AS stuck,
+       s.expired::bigint                                                     AS expired,
+       s.oldest::timestamptz                                                 AS oldest,
+       s.newest::timestamptz                                                 AS newest
+  FROM idem.source_stats() s
+ ORDER BY s.source
 `
 
 type SourceStatsRow struct {
@@ -357,8 +391,9 @@ type SourceStatsRow struct {
 	Newest            pgtype.Timestamptz
 }
 
-// Per source: keys by status, duplicates absorbed, stuck and expired keys.
-// A full scan: an operator's command, not something to poll every second.
+// Per source: keys by status (idem.source_stats(), a full scan: an
+// operator's command, not something to poll every second), duplicates
+// absorbed.
 func (q *Queries) SourceStats(ctx context.Context) ([]SourceStatsRow, error) {
 	rows, err := q.db.Query(ctx, sourceStats)
 	if err != nil {

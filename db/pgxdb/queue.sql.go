@@ -101,15 +101,19 @@ SELECT h.source, h.key, h.token, coalesce(h.job_id, 0)::bigint AS job_id, h.held
    AND ($1::text = '' OR h.source = $1::text)
    AND ($2::text = '' OR h.key = $2::text)
    AND h.dead_at >= $3::timestamptz
+   AND h.dead_at < $4::timestamptz
+   AND ($5::text = '' OR strpos(lower(h.error), lower($5::text)) > 0)
  ORDER BY h.dead_at, h.source, h.key
- LIMIT $4::integer
+ LIMIT $6::integer
 `
 
 type QueueDeadParams struct {
-	Source  string
-	Key     string
-	Since   pgtype.Timestamptz
-	MaxRows int32
+	Source        string
+	Key           string
+	Since         pgtype.Timestamptz
+	Until         pgtype.Timestamptz
+	ErrorContains string
+	MaxRows       int32
 }
 
 type QueueDeadRow struct {
@@ -123,12 +127,15 @@ type QueueDeadRow struct {
 }
 
 // Dead letters, oldest first: all sources when source is empty; one key
-// when key is given.
+// when key is given; dead-lettered in [since, until); whose error contains
+// error_contains (case-insensitive) when it is not empty.
 func (q *Queries) QueueDead(ctx context.Context, arg QueueDeadParams) ([]QueueDeadRow, error) {
 	rows, err := q.db.Query(ctx, queueDead,
 		arg.Source,
 		arg.Key,
 		arg.Since,
+		arg.Until,
+		arg.ErrorContains,
 		arg.MaxRows,
 	)
 	if err != nil {
@@ -155,6 +162,39 @@ func (q *Queries) QueueDead(ctx context.Context, arg QueueDeadParams) ([]QueueDe
 		return nil, err
 	}
 	return items, nil
+}
+
+const queueDeadCount = `-- name: QueueDeadCount :one
+SELECT count(*)::bigint AS dead
+  FROM idem.holds h
+ WHERE h.state = 'dead'
+   AND ($1::text = '' OR h.source = $1::text)
+   AND ($2::text = '' OR h.key = $2::text)
+   AND h.dead_at >= $3::timestamptz
+   AND h.dead_at < $4::timestamptz
+   AND ($5::text = '' OR strpos(lower(h.error), lower($5::text)) > 0)
+`
+
+type QueueDeadCountParams struct {
+	Source        string
+	Key           string
+	Since         pgtype.Timestamptz
+	Until         pgtype.Timestamptz
+	ErrorContains string
+}
+
+// How many dead letters QueueDead's filter matches, without a limit.
+func (q *Queries) QueueDeadCount(ctx context.Context, arg QueueDeadCountParams) (int64, error) {
+	row := q.db.QueryRow(ctx, queueDeadCount,
+		arg.Source,
+		arg.Key,
+		arg.Since,
+		arg.Until,
+		arg.ErrorContains,
+	)
+	var dead int64
+	err := row.Scan(&dead)
+	return dead, err
 }
 
 const queueFail = `-- name: QueueFail :one

@@ -11,6 +11,14 @@ import (
 	"github.com/sqlc-dev/pqtype"
 )
 
+type IdemActivity struct {
+	Minute     sql.NullTime
+	Source     string
+	Slot       int32
+	Acquired   int64
+	Duplicates int64
+}
+
 type IdemAdoption struct {
 	ID           int64
 	Source       string
@@ -122,6 +130,34 @@ type IdemQueueCount struct {
 	Accepted  int64
 	Processed int64
 	Since     sql.NullTime
+}
+
+type IdemRun struct {
+	ID         int64
+	Job        string
+	StartedAt  sql.NullTime
+	FinishedAt sql.NullTime
+	Outcome    string
+	Figures    pqtype.NullRawMessage
+	Error      sql.NullString
+	RunBy      string
+}
+
+type IdemSourceSnapshot struct {
+	Source     string
+	TakenAt    sql.NullTime
+	Took       int64
+	Keys       int64
+	Processing int64
+	Completed  int64
+	Unstored   int64
+	Released   int64
+	Failed     int64
+	Retried    int64
+	Stuck      int64
+	Expired    int64
+	Oldest     sql.NullTime
+	Newest     sql.NullTime
 }
 
 type IdemWaiter struct {

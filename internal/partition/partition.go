@@ -16,6 +16,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -172,6 +173,38 @@ func Rotate(ctx context.Context, pool *pgxpool.Pool, cfg Config) (*Result, error
 	if err != nil {
 		return nil, err
 	}
+	started := time.Now()
+	res, err := c.rotate(ctx, pool)
+	if res == nil {
+		return res, err
+	}
+	// The run as the dashboard shows it (idem.runs), with the figures of
+	// CALL idem.rotate()'s record.
+	figures := map[string]any{"created": 0, "retired": 0, "kept": 0, "gave_up": res.GaveUp}
+	for _, s := range res.Steps {
+		switch {
+		case s.Action == "create" && s.Result == "created":
+			figures["created"] = figures["created"].(int) + 1
+		case s.Action == "retire" && (s.Result == "dropped" || s.Result == "detached"):
+			figures["retired"] = figures["retired"].(int) + 1
+		case s.Action == "retire" && strings.HasPrefix(s.Result, "kept"):
+			figures["kept"] = figures["kept"].(int) + 1
+		}
+	}
+	r := maintlock.Run{Job: LockName, Started: started, Outcome: "ok", Err: err, Holder: c.holder, Figures: figures}
+	switch {
+	case errors.Is(err, ErrIncomplete):
+		r.Outcome, r.Err = "incomplete", nil
+	case err != nil:
+		r.Outcome = "error"
+	case res.Skipped:
+		r.Outcome, r.Figures = "skipped", map[string]any{"holder": res.Holder.Holder}
+	}
+	maintlock.Record(ctx, pgxdb.New(pool), c.log, r)
+	return res, err
+}
+
+func (c settings) rotate(ctx context.Context, pool *pgxpool.Pool) (*Result, error) {
 	q := pgxdb.New(pool)
 	lock := maintlock.New(q, LockName, c.holder, c.lockTTL)
 	held, err := lock.Take(ctx, c.log)

@@ -197,6 +197,28 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config) (*Result, error) {
 	if err != nil {
 		return nil, err
 	}
+	started := time.Now()
+	res, err := c.run(ctx, pool)
+	if res == nil || res.DryRun {
+		return res, err
+	}
+	// The run as the dashboard shows it (idem.runs).
+	r := maintlock.Run{Job: LockName, Started: started, Outcome: "ok", Err: err, Holder: c.holder,
+		Figures: map[string]any{"deleted": res.Deleted, "batches": res.Batches, "folded": res.Folded,
+			"stopped": res.Stopped}}
+	switch {
+	case err != nil:
+		r.Outcome = "error"
+	case res.Skipped:
+		r.Outcome, r.Figures = "skipped", map[string]any{"holder": res.Holder.Holder}
+	case res.Stopped == "interrupted":
+		r.Outcome = "interrupted"
+	}
+	maintlock.Record(ctx, pgxdb.New(pool), c.log, r)
+	return res, err
+}
+
+func (c settings) run(ctx context.Context, pool *pgxpool.Pool) (*Result, error) {
 	q := pgxdb.New(pool)
 	lock := maintlock.New(q, LockName, c.holder, c.lockTTL)
 	held, err := lock.Take(ctx, c.log)

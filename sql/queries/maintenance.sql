@@ -59,38 +59,41 @@ SELECT count(*)::bigint AS rows FROM idem.processed_events_default;
 SELECT idem.utc_month(idem.clock())::date AS month;
 
 -- name: SourceStats :many
--- Per source: keys by status, duplicates absorbed, stuck and expired keys.
--- A full scan: an operator's command, not something to poll every second.
-SELECT e.source::text                                                        AS source,
-       count(*)::bigint                                                      AS keys,
-       (count(*) FILTER (WHERE e.status = 'processing'))::bigint             AS processing,
-       (count(*) FILTER (WHERE e.status = 'completed'))::bigint              AS completed,
-       (count(*) FILTER (WHERE e.status = 'completed'
-                          AND e.last_error IS NOT NULL))::bigint             AS unstored,
-       -- failed and released for a retry (the next delivery runs it again)
-       -- apart from failed for good (fail(retryable => false), max_attempts).
-       (count(*) FILTER (WHERE e.status = 'failed'
-                          AND e.retryable IS DISTINCT FROM false))::bigint   AS released,
-       (count(*) FILTER (WHERE e.status = 'failed'
-                          AND e.retryable = false))::bigint                  AS failed,
+-- Per source: keys by status (idem.source_stats(), a full scan: an
+-- operator's command, not something to poll every second), duplicates
+-- absorbed.
+SELECT s.source::text                                                        AS source,
+       s.keys::bigint                                                        AS keys,
+       s.processing::bigint                                                  AS processing,
+       s.completed::bigint                                                   AS completed,
+       s.unstored::bigint                                                    AS unstored,
+       s.released::bigint                                                    AS released,
+       s.failed::bigint                                                      AS failed,
        -- Duplicates per source are counted in idem.duplicate_counts (sampled,
        -- unlogged); per-key counts in the rows only when a policy asks.
        coalesce((SELECT sum(d.duplicates) FROM idem.duplicate_counts d
-                  WHERE d.source = e.source), 0)::bigint                     AS duplicates,
+                  WHERE d.source = s.source), 0)::bigint                     AS duplicates,
        -- 1 in duplicate_sampling duplicates is counted, as that many: with
        -- sampling above 1 the count is an estimate (0: not counted).
        coalesce((SELECT p.duplicate_sampling FROM idem.policies p
-                  WHERE p.source IN (e.source, '*')
+                  WHERE p.source IN (s.source, '*')
                   ORDER BY p.source = '*' LIMIT 1), 0)::integer              AS duplicate_sampling,
-       (count(*) FILTER (WHERE e.attempts > 1))::bigint                      AS retried,
-       (count(*) FILTER (WHERE e.status = 'processing'
-                          AND e.lease_expires_at < idem.clock()))::bigint     AS stuck,
-       (count(*) FILTER (WHERE e.expires_at < idem.clock()))::bigint         AS expired,
-       min(e.first_seen)::timestamptz                                        AS oldest,
-       max(e.first_seen)::timestamptz                                        AS newest
-  FROM idem.processed_events e
- GROUP BY e.source
- ORDER BY e.source;
+       s.retried::bigint                                                     AS retried,
+       s.stuck::bigint                                                       AS stuck,
+       s.expired::bigint                                                     AS expired,
+       s.oldest::timestamptz                                                 AS oldest,
+       s.newest::timestamptz                                                 AS newest
+  FROM idem.source_stats() s
+ ORDER BY s.source;
+
+-- name: SnapshotStats :one
+-- Stores idem.source_stats() in idem.source_snapshots (migration 10).
+SELECT idem.snapshot_stats()::integer AS sources;
+
+-- name: RecordRun :one
+-- Records a maintenance run in idem.runs (migration 10).
+SELECT idem.record_run(sqlc.arg(job)::text, sqlc.arg(started_at)::timestamptz, sqlc.arg(outcome)::text,
+                       sqlc.arg(figures)::jsonb, sqlc.narg(error)::text, sqlc.arg(run_by)::text)::bigint AS id;
 
 -- name: StuckLeases :one
 -- Keys still processing whose lease ended more than grace ago.

@@ -32,7 +32,8 @@ SELECT idem.queue_repair(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.arg(j
 
 -- name: QueueDead :many
 -- Dead letters, oldest first: all sources when source is empty; one key
--- when key is given.
+-- when key is given; dead-lettered in [since, until); whose error contains
+-- error_contains (case-insensitive) when it is not empty.
 SELECT h.source, h.key, h.token, coalesce(h.job_id, 0)::bigint AS job_id, h.held_at,
        h.dead_at::timestamptz AS dead_at, coalesce(h.error, '')::text AS error
   FROM idem.holds h
@@ -40,8 +41,21 @@ SELECT h.source, h.key, h.token, coalesce(h.job_id, 0)::bigint AS job_id, h.held
    AND (sqlc.arg(source)::text = '' OR h.source = sqlc.arg(source)::text)
    AND (sqlc.arg(key)::text = '' OR h.key = sqlc.arg(key)::text)
    AND h.dead_at >= sqlc.arg(since)::timestamptz
+   AND h.dead_at < sqlc.arg(until)::timestamptz
+   AND (sqlc.arg(error_contains)::text = '' OR strpos(lower(h.error), lower(sqlc.arg(error_contains)::text)) > 0)
  ORDER BY h.dead_at, h.source, h.key
  LIMIT sqlc.arg(max_rows)::integer;
+
+-- name: QueueDeadCount :one
+-- How many dead letters QueueDead's filter matches, without a limit.
+SELECT count(*)::bigint AS dead
+  FROM idem.holds h
+ WHERE h.state = 'dead'
+   AND (sqlc.arg(source)::text = '' OR h.source = sqlc.arg(source)::text)
+   AND (sqlc.arg(key)::text = '' OR h.key = sqlc.arg(key)::text)
+   AND h.dead_at >= sqlc.arg(since)::timestamptz
+   AND h.dead_at < sqlc.arg(until)::timestamptz
+   AND (sqlc.arg(error_contains)::text = '' OR strpos(lower(h.error), lower(sqlc.arg(error_contains)::text)) > 0);
 
 -- name: QueueQueued :many
 -- Queued holds, oldest first, held before `before`: the candidates of a

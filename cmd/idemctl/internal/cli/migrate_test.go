@@ -19,7 +19,7 @@ func TestMigrateCommand(t *testing.T) {
 	}{
 		{[]string{"migrate", "up"}, "applied 00009_idem_adopt.sql"},
 		{[]string{"migrate", "up"}, "idem schema is up to date"},
-		{[]string{"migrate", "version"}, "9"},
+		{[]string{"migrate", "version"}, "10"},
 		{[]string{"migrate", "status"}, "00001_idem_core.sql                      applied"},
 		{[]string{"migrate", "down"}, "rolled back 00009_idem_adopt.sql"},
 		{[]string{"migrate", "down"}, "rolled back 00008_idem_wait.sql"},
