@@ -20,7 +20,46 @@ type Filter struct {
 	Source string    // only this source
 	Key    string    // only this key (with Source)
 	Since  time.Time // only those dead-lettered at or after this time
-	Limit  int       // at most this many (0: 1000)
+	Until  time.Time // only those dead-lettered before this time (zero: no bound)
+	// ErrorContains: only those whose last error contains this text,
+	// case-insensitively ("": any).
+	ErrorContains string
+	Limit         int // at most this many (0: 1000)
+}
+
+// params are the filter's bounds as the queries take them.
+func (f Filter) params() (since, until pgtype.Timestamptz, err error) {
+	if f.Key != "" && f.Source == "" {
+		return since, until, fmt.Errorf("%w: a key needs its source", ErrInvalidConfig)
+	}
+	if !f.Since.IsZero() && !f.Until.IsZero() && !f.Until.After(f.Since) {
+		return since, until, fmt.Errorf("%w: Until (%s) must be after Since (%s)", ErrInvalidConfig,
+			f.Until.Format(time.RFC3339), f.Since.Format(time.RFC3339))
+	}
+	since = pgtype.Timestamptz{Time: time.Unix(0, 0), Valid: true}
+	if !f.Since.IsZero() {
+		since.Time = f.Since
+	}
+	until = pgtype.Timestamptz{InfinityModifier: pgtype.Infinity, Valid: true}
+	if !f.Until.IsZero() {
+		until = pgtype.Timestamptz{Time: f.Until, Valid: true}
+	}
+	return since, until, nil
+}
+
+// CountDeadLetters says how many dead letters f selects, whatever its
+// Limit: what a Replay of f would go through (a dry run).
+func (in *Inbox) CountDeadLetters(ctx context.Context, f Filter) (int64, error) {
+	since, until, err := f.params()
+	if err != nil {
+		return 0, err
+	}
+	n, err := pgxdb.New(in.cfg.Pool).QueueDeadCount(ctx, pgxdb.QueueDeadCountParams{Source: f.Source, Key: f.Key,
+		Since: since, Until: until, ErrorContains: f.ErrorContains})
+	if err != nil {
+		return 0, fmt.Errorf("inbox: count dead letters: %w", err)
+	}
+	return n, nil
 }
 
 // DeadLetter is an event whose job gave up on it: past its last attempt,
@@ -49,18 +88,16 @@ type DeadLetter struct {
 
 // DeadLetters lists dead-lettered events, oldest first.
 func (in *Inbox) DeadLetters(ctx context.Context, f Filter) ([]DeadLetter, error) {
-	if f.Key != "" && f.Source == "" {
-		return nil, fmt.Errorf("%w: a key needs its source", ErrInvalidConfig)
+	since, until, err := f.params()
+	if err != nil {
+		return nil, err
 	}
 	limit := f.Limit
 	if limit <= 0 {
 		limit = 1000
 	}
-	since := f.Since
-	if since.IsZero() {
-		since = time.Unix(0, 0)
-	}
-	holds, err := pgxdb.New(in.cfg.Pool).QueueDead(ctx, pgxdb.QueueDeadParams{Source: f.Source, Key: f.Key, Since: pgtype.Timestamptz{Time: since, Valid: true}, MaxRows: int32(limit)})
+	holds, err := pgxdb.New(in.cfg.Pool).QueueDead(ctx, pgxdb.QueueDeadParams{Source: f.Source, Key: f.Key,
+		Since: since, Until: until, ErrorContains: f.ErrorContains, MaxRows: int32(limit)})
 	if err != nil {
 		return nil, fmt.Errorf("inbox: list dead letters: %w", err)
 	}
