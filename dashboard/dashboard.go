@@ -1,0 +1,159 @@
+// Package dashboard is idem's operator page as an http.Handler: per source
+// claims per minute and duplicate rates (charts drawn as SVG on the
+// server), in-flight and stuck leases, failed keys, the inbox's dead
+// letters with bulk replay, partitions and the last maintenance runs.
+//
+// Mount it under a prefix of your own server, behind your own
+// authentication (it has none):
+//
+//	h, err := dashboard.New(dashboard.Config{Pool: pool, Prefix: "/idem"})
+//	mux.Handle("/idem/", requireOperator(h))
+//
+// or run it with idemctl run --http. It is read-only unless Config.Actions
+// is set; actions (replaying dead letters) are protected against
+// cross-site requests (http.CrossOriginProtection) and logged. It shows no
+// stored result unless Config.ShowResults is set, and never a payload.
+//
+// Every page reads an index, a small table or the catalog (migration 10's
+// idem.activity, idem.source_snapshots, idem.runs): never a scan of
+// processed_events, so a page answers in milliseconds at any table size.
+// The counts that need a scan (keys by status, stuck leases) come from the
+// last snapshot (idem.snapshot_stats(), taken by idemctl run on its
+// --stats-schedule) and say when it was taken. See docs/dashboard.md.
+package dashboard
+
+import (
+	"cmp"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem/inbox"
+)
+
+// Defaults of Config.
+const (
+	DefaultDuplicateAlert = 0.2
+	DefaultQueryTimeout   = 5 * time.Second
+	// DefaultReplayLimit is the most dead letters one replay goes through.
+	DefaultReplayLimit = 10000
+)
+
+// ErrInvalidConfig is matched by New's errors.
+var ErrInvalidConfig = errors.New("dashboard: invalid config")
+
+// Config configures the dashboard. Only Pool is required.
+type Config struct {
+	// Pool is the database, with the rights of a role given
+	// idem.grant_maintainer (reads idem's tables; replays dead letters).
+	Pool *pgxpool.Pool
+	// Inbox, when the application uses package inbox, gives the dead
+	// letters page and its replay; nil: the page says the inbox is not in
+	// use. Its Pool should be Pool.
+	Inbox *inbox.Inbox
+	// Prefix is the path the handler is mounted under ("/idem"; default
+	// "": the root). Links and forms carry it; requests outside it are 404.
+	Prefix string
+	// Actions turns on replaying dead letters (default false: read-only,
+	// and no action route exists).
+	Actions bool
+	// ShowResults shows a key's stored result on the keys page (default
+	// false: results can hold personal data; only their size is shown).
+	ShowResults bool
+	// DuplicateAlert is the duplicate rate drawn as the alert threshold in
+	// the charts and flagged in the overview, in (0, 1] (0: the default,
+	// DefaultDuplicateAlert, as docs/alerts.yml's IdemDuplicateRateSpike).
+	DuplicateAlert float64
+	// QueryTimeout bounds each page's queries (0: DefaultQueryTimeout).
+	QueryTimeout time.Duration
+	// ReplayLimit is the most dead letters one replay goes through (0:
+	// DefaultReplayLimit).
+	ReplayLimit int
+	// Logger logs every action (who asked is the request's remote address
+	// and, when set by your middleware, its Remote-User header) and every
+	// failed query (default: slog.Default()).
+	Logger *slog.Logger
+}
+
+// Dashboard is the handler New returns.
+type Dashboard struct {
+	cfg  Config
+	log  *slog.Logger
+	root http.Handler
+}
+
+// New validates cfg and returns the dashboard.
+func New(cfg Config) (*Dashboard, error) {
+	bad := func(field, format string, a ...any) error {
+		return fmt.Errorf("%w: %s: %s", ErrInvalidConfig, field, fmt.Sprintf(format, a...))
+	}
+	switch {
+	case cfg.Pool == nil:
+		return nil, bad("Pool", "is required")
+	case cfg.DuplicateAlert < 0 || cfg.DuplicateAlert > 1:
+		return nil, bad("DuplicateAlert", "%g is not a rate in (0, 1]", cfg.DuplicateAlert)
+	case cfg.QueryTimeout < 0:
+		return nil, bad("QueryTimeout", "%s is negative", cfg.QueryTimeout)
+	case cfg.ReplayLimit < 0:
+		return nil, bad("ReplayLimit", "%d is negative", cfg.ReplayLimit)
+	}
+	if cfg.Prefix != "" && (!strings.HasPrefix(cfg.Prefix, "/") || strings.HasSuffix(cfg.Prefix, "/") || strings.ContainsAny(cfg.Prefix, "?#{}")) {
+		return nil, bad("Prefix", "%q must start with / and not end with one (e.g. \"/idem\")", cfg.Prefix)
+	}
+	if cfg.DuplicateAlert == 0 {
+		cfg.DuplicateAlert = DefaultDuplicateAlert
+	}
+	cfg.QueryTimeout = cmp.Or(cfg.QueryTimeout, DefaultQueryTimeout)
+	cfg.ReplayLimit = cmp.Or(cfg.ReplayLimit, DefaultReplayLimit)
+	d := &Dashboard{cfg: cfg, log: cmp.Or(cfg.Logger, slog.Default())}
+
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /{$}", d.overview)
+	mux.HandleFunc("GET /keys", d.keys)
+	mux.HandleFunc("GET /dead", d.deadLetters)
+	mux.HandleFunc("GET /maintenance", d.maintenance)
+	mux.Handle("GET /static/", http.FileServerFS(staticFS))
+	// Browsers ask for /favicon.ico on pages without a link (a plain-text
+	// error); at the root, answer it rather than log a 404.
+	mux.HandleFunc("GET /favicon.ico", func(w http.ResponseWriter, r *http.Request) {
+		http.ServeFileFS(w, r, staticFS, "static/favicon.svg")
+	})
+	if cfg.Actions {
+		// Only with actions on does an action route exist; every one is
+		// refused when the browser says it comes from another origin.
+		cop := http.NewCrossOriginProtection()
+		cop.SetDenyHandler(http.HandlerFunc(d.crossOrigin))
+		mux.Handle("POST /dead/replay", cop.Handler(http.HandlerFunc(d.replay)))
+	}
+	d.root = mux
+	if cfg.Prefix != "" {
+		d.root = http.StripPrefix(cfg.Prefix, mux)
+	}
+	return d, nil
+}
+
+// ServeHTTP serves the dashboard's pages under Config.Prefix.
+func (d *Dashboard) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	w.Header().Set("X-Content-Type-Options", "nosniff")
+	w.Header().Set("Referrer-Policy", "same-origin")
+	// No script, no frame: the pages need neither.
+	w.Header().Set("Content-Security-Policy", "default-src 'self'; script-src 'none'; frame-ancestors 'none'; form-action 'self'")
+	if d.cfg.Prefix != "" && r.URL.Path == d.cfg.Prefix {
+		http.Redirect(w, r, d.cfg.Prefix+"/", http.StatusMovedPermanently)
+		return
+	}
+	d.root.ServeHTTP(w, r)
+}
+
+// crossOrigin answers an action request that came from another origin.
+func (d *Dashboard) crossOrigin(w http.ResponseWriter, r *http.Request) {
+	d.log.LogAttrs(r.Context(), slog.LevelWarn, "dashboard: cross-origin action refused",
+		slog.String("path", r.URL.Path), slog.String("origin", r.Header.Get("Origin")),
+		slog.String("sec_fetch_site", r.Header.Get("Sec-Fetch-Site")), slog.String("remote", r.RemoteAddr))
+	http.Error(w, "cross-origin request refused: actions are taken from the dashboard's own pages", http.StatusForbidden)
+}

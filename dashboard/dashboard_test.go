@@ -1,0 +1,347 @@
+package dashboard_test
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/dashboard"
+	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/testdb"
+)
+
+func TestMain(m *testing.M) { testdb.Main(m) }
+
+// fixture is a database with claims of two sources (sampling 1: exact
+// counts), a snapshot, a prune run, and five dead letters of source
+// "shop" whose handler fails the first time only.
+type fixture struct {
+	pool *pgxpool.Pool
+	in   *inbox.Inbox
+	mu   sync.Mutex
+	runs map[string]int // key -> times the handler committed
+}
+
+func setup(t *testing.T) *fixture {
+	t.Helper()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.Pool(t, url, 20)
+	if _, err := inbox.Migrate(ctx, pool, ""); err != nil {
+		t.Fatal(err)
+	}
+	f := &fixture{pool: pool, runs: map[string]int{}}
+	failed := map[string]bool{}
+	in, err := inbox.New(inbox.Config{Pool: pool, Handler: func(ctx context.Context, tx pgx.Tx, d *inbox.Delivery) (any, error) {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		if !failed[d.Key] {
+			failed[d.Key] = true
+			return nil, idem.Permanent(errors.New("upstream said 422: unknown customer"))
+		}
+		f.runs[d.Key]++
+		return map[string]string{"ok": d.Key}, nil
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.in = in
+	if _, err := pool.Exec(ctx, `
+		INSERT INTO idem.policies (source, ttl, lease, duplicate_sampling) VALUES ('web', '1 day', '1 minute', 1), ('shop', '7 days', '1 minute', 1);
+		SELECT idem.claim('web', 'k' || g) FROM generate_series(1, 30) g;
+		SELECT idem.complete('web', 'k' || g, (SELECT token FROM idem.processed_events WHERE source = 'web' AND key = 'k' || g), '{"email": "someone@example.com"}')
+		  FROM generate_series(1, 20) g;
+		SELECT idem.claim('web', 'k' || (g % 20 + 1)) FROM generate_series(1, 10) g;
+		SELECT idem.fail('web', 'k21', (SELECT token FROM idem.processed_events WHERE source = 'web' AND key = 'k21'), 'card declined', false)`); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 5 {
+		if _, err := in.Accept(ctx, &inbox.Delivery{Source: "shop", Key: "evt_" + string(rune('a'+i)), EventType: "order.paid",
+			Payload: []byte(`{"secret_payload": true}`)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rc, err := in.NewWorkerClient(2, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := rc.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_ = rc.Stop(ctx)
+	})
+	waitFor(t, "5 dead letters", func() bool {
+		n, err := in.CountDeadLetters(ctx, inbox.Filter{})
+		return err == nil && n == 5
+	})
+	if _, err := pool.Exec(ctx, `SELECT idem.snapshot_stats()`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `CALL idem.prune()`); err != nil {
+		t.Fatal(err)
+	}
+	return f
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(60 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+		if cond() {
+			return
+		}
+	}
+	t.Fatalf("timed out waiting for %s", what)
+}
+
+func serve(t *testing.T, cfg dashboard.Config) *httptest.Server {
+	t.Helper()
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	d, err := dashboard.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(d)
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+func get(t *testing.T, u string) (int, string) {
+	t.Helper()
+	resp, err := http.Get(u)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+func post(t *testing.T, u string, form url.Values, header map[string]string) (int, string) {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodPost, u, strings.NewReader(form.Encode()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	for k, v := range header {
+		req.Header.Set(k, v)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+func contains(t *testing.T, page, body string, want ...string) {
+	t.Helper()
+	for _, w := range want {
+		if !strings.Contains(body, w) {
+			t.Errorf("%s: %q not in the page:\n%s", page, w, body)
+		}
+	}
+}
+
+func TestPages(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	srv := serve(t, dashboard.Config{Pool: f.pool, Inbox: f.in})
+
+	t.Run("overview", func(t *testing.T) {
+		code, body := get(t, srv.URL+"/")
+		if code != 200 {
+			t.Fatalf("%d %s", code, body)
+		}
+		// web: 30 acquired + 10 duplicates = 25.0%; shop: 5 acquired (the
+		// accepts), no duplicate.
+		contains(t, "overview", body, `id="source-web"`, `data-figure="rate-1h">25.0%`, `data-figure="rate-24h">25.0%`,
+			`id="source-shop"`, `<svg class="chart"`, `class="threshold"`, "alert 20.0%", "duplicates above 20.0%")
+		if strings.Contains(body, "someone@example.com") || strings.Contains(body, "secret_payload") {
+			t.Fatal("the overview shows a result or a payload")
+		}
+	})
+	t.Run("keys", func(t *testing.T) {
+		code, body := get(t, srv.URL+"/keys?source=web&status=failed")
+		if code != 200 {
+			t.Fatalf("%d %s", code, body)
+		}
+		contains(t, "keys", body, ">k21<", "card declined")
+		_, body = get(t, srv.URL+"/keys?source=web&key=k1")
+		contains(t, "lookup", body, "completed", "hidden: results can hold personal data")
+		if strings.Contains(body, "someone@example.com") {
+			t.Fatal("a result is shown without ShowResults")
+		}
+		shown := serve(t, dashboard.Config{Pool: f.pool, ShowResults: true})
+		_, body = get(t, shown.URL+"/keys?source=web&key=k1")
+		contains(t, "lookup with ShowResults", body, "someone@example.com")
+		_, body = get(t, srv.URL+"/keys?source=web&key=nope")
+		contains(t, "lookup of a missing key", body, "No key")
+	})
+	t.Run("dead letters", func(t *testing.T) {
+		code, body := get(t, srv.URL+"/dead?source=shop&error=UNKNOWN+customer")
+		if code != 200 {
+			t.Fatalf("%d %s", code, body)
+		}
+		contains(t, "dead", body, `data-figure="dead-count">5<`, "evt_a", "upstream said 422", "Read-only")
+		if strings.Contains(body, `type="checkbox"`) || strings.Contains(body, "secret_payload") {
+			t.Fatal("read-only page offers a selection, or shows a payload")
+		}
+		_, body = get(t, srv.URL+"/dead?error=timeout")
+		contains(t, "dead, no match", body, `data-figure="dead-count">0<`)
+	})
+	t.Run("maintenance", func(t *testing.T) {
+		code, body := get(t, srv.URL+"/maintenance")
+		if code != 200 {
+			t.Fatalf("%d %s", code, body)
+		}
+		contains(t, "maintenance", body, `data-figure="months-ahead">`, `data-figure="default-rows">0<`, `data-job="prune"`, "deleted 0", "processed_events_")
+	})
+	t.Run("static", func(t *testing.T) {
+		code, body := get(t, srv.URL+"/static/idem.css")
+		if code != 200 || !strings.Contains(body, "svg.chart") {
+			t.Fatalf("%d", code)
+		}
+	})
+	t.Run("bad input", func(t *testing.T) {
+		for _, u := range []string{"/keys?status=bogus", "/keys?key=k1", "/dead?since=yesterday", "/dead?since=2026-11-24T10:00&until=2026-11-24T09:00",
+			"/keys?before=soon", "/keys?source=" + strings.Repeat("s", 65)} {
+			code, body := get(t, srv.URL+u)
+			if code != http.StatusBadRequest || !strings.Contains(body, "bad request") {
+				t.Errorf("%s: %d %s", u, code, body)
+			}
+		}
+	})
+	t.Run("no action route when read-only", func(t *testing.T) {
+		code, _ := post(t, srv.URL+"/dead/replay", url.Values{"scope": {"all"}, "confirm": {"1"}, "expected": {"5"}}, nil)
+		if code != http.StatusNotFound {
+			t.Fatalf("POST /dead/replay with actions off: %d, want 404", code)
+		}
+	})
+}
+
+// TestReplay: with actions on, a cross-origin post changes nothing; the dry
+// run changes nothing and counts; the confirmed replay processes each dead
+// letter once.
+func TestReplay(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := setup(t)
+	srv := serve(t, dashboard.Config{Pool: f.pool, Inbox: f.in, Actions: true})
+	all := url.Values{"source": {"shop"}, "error": {"422"}, "scope": {"all"}}
+	dead := func() int64 {
+		n, err := f.in.CountDeadLetters(ctx, inbox.Filter{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+
+	_, body := get(t, srv.URL+"/dead")
+	contains(t, "dead, actions on", body, `type="checkbox"`, `id="replay-all"`)
+	confirmed := url.Values{"source": {"shop"}, "error": {"422"}, "scope": {"all"}, "confirm": {"1"}, "expected": {"5"}}
+	for name, h := range map[string]map[string]string{
+		"Sec-Fetch-Site cross-site": {"Sec-Fetch-Site": "cross-site"},
+		"Origin elsewhere":          {"Origin": "http://attacker.example"},
+	} {
+		code, _ := post(t, srv.URL+"/dead/replay", confirmed, h)
+		if code != http.StatusForbidden || dead() != 5 {
+			t.Fatalf("%s: %d, %d dead letters left", name, code, dead())
+		}
+	}
+	code, body := post(t, srv.URL+"/dead/replay", all, map[string]string{"Sec-Fetch-Site": "same-origin"})
+	if code != 200 || dead() != 5 {
+		t.Fatalf("dry run: %d, %d dead letters left", code, dead())
+	}
+	contains(t, "dry run", body, `data-figure="dry-run-count">5<`, `name="expected" value="5"`, `id="confirm"`)
+
+	code, body = post(t, srv.URL+"/dead/replay", confirmed, map[string]string{"Sec-Fetch-Site": "same-origin"})
+	if code != 200 {
+		t.Fatalf("replay: %d %s", code, body)
+	}
+	contains(t, "replayed", body, "<b>5</b> replayed")
+	waitFor(t, "the replayed events processed", func() bool {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		return len(f.runs) == 5
+	})
+	time.Sleep(200 * time.Millisecond)
+	f.mu.Lock()
+	for k, n := range f.runs {
+		if n != 1 {
+			t.Errorf("%s ran %d times", k, n)
+		}
+	}
+	f.mu.Unlock()
+	if dead() != 0 {
+		t.Fatalf("%d dead letters left", dead())
+	}
+	// Replaying again: nothing matches, nothing runs.
+	code, body = post(t, srv.URL+"/dead/replay", confirmed, map[string]string{"Sec-Fetch-Site": "same-origin"})
+	if code != 200 {
+		t.Fatalf("%d %s", code, body)
+	}
+	contains(t, "nothing to replay", body, "Went through 0 dead letters")
+}
+
+func TestConfig(t *testing.T) {
+	t.Parallel()
+	pool := &pgxpool.Pool{}
+	for name, cfg := range map[string]dashboard.Config{
+		"no pool":               {},
+		"alert above 1":         {Pool: pool, DuplicateAlert: 1.5},
+		"negative alert":        {Pool: pool, DuplicateAlert: -0.1},
+		"negative timeout":      {Pool: pool, QueryTimeout: -time.Second},
+		"negative replay limit": {Pool: pool, ReplayLimit: -1},
+		"prefix without slash":  {Pool: pool, Prefix: "idem"},
+		"prefix ending in /":    {Pool: pool, Prefix: "/idem/"},
+	} {
+		if _, err := dashboard.New(cfg); !errors.Is(err, dashboard.ErrInvalidConfig) {
+			t.Errorf("%s: %v", name, err)
+		}
+	}
+}
+
+func TestPrefix(t *testing.T) {
+	t.Parallel()
+	url := testdb.New(t)
+	pool := testdb.Pool(t, url, 4)
+	d, err := dashboard.New(dashboard.Config{Pool: pool, Prefix: "/ops/idem"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/ops/idem/", d)
+	mux.Handle("/ops/idem", d)
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+	code, body := get(t, srv.URL+"/ops/idem/maintenance")
+	if code != 200 {
+		t.Fatalf("%d %s", code, body)
+	}
+	contains(t, "prefixed", body, `href="/ops/idem/keys"`, `href="/ops/idem/static/idem.css"`)
+	if code, _ := get(t, srv.URL+"/ops/idem/static/idem.css"); code != 200 {
+		t.Fatalf("static under the prefix: %d", code)
+	}
+	if code, body := get(t, srv.URL+"/ops/idem"); code != 200 || !strings.Contains(body, "Overview") {
+		t.Fatalf("the prefix without its slash: %d", code)
+	}
+}

@@ -1,0 +1,166 @@
+package dashboard
+
+import (
+	"html/template"
+	"math"
+	"net/http"
+	"sort"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/idemkit/idem/db/pgxdb"
+)
+
+// sourceView is one source's card on the overview.
+type sourceView struct {
+	Source string
+	// Sampling is the policy's duplicate_sampling: 1 in that many claims
+	// is counted, as that many (counts are estimates above 1; 0: none).
+	Sampling int32
+	// From idem.activity.
+	ClaimsPerMinute float64 // over the last 15 minutes
+	Rate1h, Rate24h float64 // NaN without claims
+	Alert           bool    // Rate1h above the threshold
+	Acquired24h     int64
+	Duplicates24h   int64
+	HourChart       template.HTML
+	DayChart        template.HTML
+	// From the last snapshot (nil: none taken yet).
+	Snapshot *pgxdb.DashSnapshotsRow
+	InFlight int64 // processing, lease not ended
+	// From the inbox's holds.
+	Queued, Dead int64
+}
+
+type overviewView struct {
+	Sources    []sourceView
+	Threshold  float64
+	SnapshotAt time.Time // the oldest snapshot's time; zero: none
+	Inbox      bool
+}
+
+func (d *Dashboard) overview(w http.ResponseWriter, r *http.Request) {
+	ctx, cancel := d.queryContext(r)
+	defer cancel()
+	q := pgxdb.New(d.cfg.Pool)
+	now, err := q.DashClock(ctx)
+	if err != nil {
+		d.fail(w, r, "the clock", err)
+		return
+	}
+	activity, err := q.DashActivity(ctx, pgxdb.DashActivityParams{BucketSeconds: 60,
+		Since: pgtype.Timestamptz{Time: now.Time.Add(-24 * time.Hour).Truncate(time.Minute), Valid: true}})
+	if err != nil {
+		d.fail(w, r, "activity", err)
+		return
+	}
+	policies, err := q.DashPolicies(ctx)
+	if err != nil {
+		d.fail(w, r, "policies", err)
+		return
+	}
+	snaps, err := q.DashSnapshots(ctx)
+	if err != nil {
+		d.fail(w, r, "snapshots", err)
+		return
+	}
+	holds, err := q.DashHolds(ctx)
+	if err != nil {
+		d.fail(w, r, "holds", err)
+		return
+	}
+	v := buildOverview(now.Time, d.cfg.DuplicateAlert, activity, policies, snaps, holds)
+	v.Inbox = d.cfg.Inbox != nil
+	d.render(w, r, http.StatusOK, "overview", "overview", "Overview", now.Time, v)
+}
+
+// buildOverview folds the rows into one card per source: every source that
+// has a policy, activity, a snapshot or holds.
+func buildOverview(now time.Time, threshold float64, activity []pgxdb.DashActivityRow, policies []pgxdb.DashPoliciesRow,
+	snaps []pgxdb.DashSnapshotsRow, holds []pgxdb.DashHoldsRow) overviewView {
+	cards := map[string]*sourceView{}
+	card := func(source string) *sourceView {
+		c, ok := cards[source]
+		if !ok {
+			c = &sourceView{Source: source, Sampling: -1}
+			cards[source] = c
+		}
+		return c
+	}
+	defaultSampling := int32(8)
+	for _, p := range policies {
+		if p.Source == "*" {
+			defaultSampling = p.DuplicateSampling
+			continue
+		}
+		card(p.Source).Sampling = p.DuplicateSampling
+	}
+	perSource := map[string][]pgxdb.DashActivityRow{}
+	for _, a := range activity {
+		card(a.Source)
+		perSource[a.Source] = append(perSource[a.Source], a)
+	}
+	v := overviewView{Threshold: threshold}
+	for i := range snaps {
+		s := &snaps[i]
+		c := card(s.Source)
+		c.Snapshot = s
+		c.InFlight = s.Processing - s.Stuck
+		if v.SnapshotAt.IsZero() || s.TakenAt.Time.Before(v.SnapshotAt) {
+			v.SnapshotAt = s.TakenAt.Time
+		}
+	}
+	for _, h := range holds {
+		c := card(h.Source)
+		c.Queued, c.Dead = h.Queued, h.Dead
+	}
+	end := now.Truncate(time.Minute).Add(time.Minute) // the current minute included
+	for _, c := range cards {
+		if c.Sampling < 0 {
+			c.Sampling = defaultSampling
+		}
+		hour := buckets(perSource[c.Source], end.Add(-time.Hour), time.Minute, 60)
+		day := buckets(perSource[c.Source], end.Add(-24*time.Hour), 30*time.Minute, 48)
+		var last15 int64
+		for _, b := range hour[45:] {
+			last15 += b.Claims
+		}
+		c.ClaimsPerMinute = float64(last15) / 15
+		c.Rate1h, c.Rate24h = total(hour).rate(), total(day).rate()
+		c.Alert = !math.IsNaN(c.Rate1h) && c.Rate1h > threshold
+		t := total(day)
+		c.Acquired24h, c.Duplicates24h = t.Claims-t.Duplicates, t.Duplicates
+		c.HourChart = chart(c.Source+": the last hour", hour, time.Minute, threshold, "-1h")
+		c.DayChart = chart(c.Source+": the last 24 hours", day, 30*time.Minute, threshold, "-24h")
+		v.Sources = append(v.Sources, *c)
+	}
+	sort.Slice(v.Sources, func(i, j int) bool { return v.Sources[i].Source < v.Sources[j].Source })
+	return v
+}
+
+// buckets sums a source's minutes into n buckets of step from start.
+func buckets(rows []pgxdb.DashActivityRow, start time.Time, step time.Duration, n int) []bucket {
+	out := make([]bucket, n)
+	for i := range out {
+		out[i].Start = start.Add(time.Duration(i) * step)
+	}
+	for _, a := range rows {
+		i := int(a.Bucket.Time.Sub(start) / step)
+		if a.Bucket.Time.Before(start) || i >= n {
+			continue
+		}
+		out[i].Claims += a.Acquired + a.Duplicates
+		out[i].Duplicates += a.Duplicates
+	}
+	return out
+}
+
+func total(bs []bucket) bucket {
+	var t bucket
+	for _, b := range bs {
+		t.Claims += b.Claims
+		t.Duplicates += b.Duplicates
+	}
+	return t
+}
