@@ -14,12 +14,13 @@ import (
 	"github.com/robfig/cron/v3"
 
 	"github.com/idemkit/idem/db/pgxdb"
+	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/partition"
 	"github.com/idemkit/idem/internal/prune"
 )
 
 func init() {
-	register(command{name: "run", summary: "daemon: prune and rotate on cron schedules, /healthz and /metrics", run: runDaemon})
+	register(command{name: "run", summary: "daemon: prune, rotate and snapshot stats on cron schedules; /healthz, /metrics and (--http) the dashboard", run: runDaemon})
 }
 
 // cronParser accepts standard 5-field specs, an optional seconds field,
@@ -47,7 +48,13 @@ func runDaemon(ctx context.Context, io IO, g *globals, args []string) error {
 	fs := newFlagSet("run", io, g)
 	pruneSpec := fs.String("prune-schedule", "@every 5m", "when to prune (cron spec; CRON_TZ= prefix for a time zone)")
 	rotateSpec := fs.String("rotate-schedule", "@daily", "when to rotate partitions (cron spec)")
-	listen := fs.String("listen", ":9187", "address for /healthz and /metrics (empty: no HTTP server)")
+	statsSpec := fs.String("stats-schedule", "@every 5m", "when to snapshot per-source key counts for the dashboard (cron spec; a scan of processed_events)")
+	listen := fs.String("listen", ":9187", "address for /healthz, /metrics and the dashboard (empty: no HTTP server)")
+	serveDash := fs.Bool("http", false, "serve the dashboard at / on --listen (it has no authentication: listen on loopback or behind your proxy)")
+	dashActions := fs.Bool("http-actions", false, "let the dashboard replay dead letters (default read-only)")
+	dashResults := fs.Bool("http-results", false, "show stored results on the dashboard's keys page (they can hold personal data)")
+	riverSchema := fs.String("river-schema", "", "the schema of River's tables, for the dashboard's dead letters (default: the search_path)")
+	queue := fs.String("queue", inbox.DefaultQueue, "the inbox's River queue, for replays from the dashboard")
 	shutdownWait := fs.Duration("shutdown-timeout", 30*time.Second, "on SIGTERM, how long to wait for a running job to stop")
 	var pf pruneFlags
 	pf.register(fs.FlagSet)
@@ -75,11 +82,21 @@ func runDaemon(ctx context.Context, io IO, g *globals, args []string) error {
 	if err != nil {
 		return err
 	}
+	statsSched, err := parseSpec("--stats-schedule", *statsSpec)
+	if err != nil {
+		return err
+	}
+	if (*serveDash || *dashActions || *dashResults) && *listen == "" {
+		return usageErr("--http needs --listen (an address such as 127.0.0.1:9187)")
+	}
+	if (*dashActions || *dashResults) && !*serveDash {
+		return usageErr("--http-actions and --http-results need --http")
+	}
 	log, err := g.logger(io.Err)
 	if err != nil {
 		return err
 	}
-	pool, err := g.connectMigrated(ctx, io.Env, 4)
+	pool, err := g.connectMigrated(ctx, io.Env, 6)
 	if err != nil {
 		return err
 	}
@@ -105,23 +122,39 @@ func runDaemon(ctx context.Context, io IO, g *globals, args []string) error {
 		}
 		return "ok", nil
 	}))
+	statsID := c.Schedule(statsSched, m.job(ctx, log, "snapshot", snapshotJob(pool, log)))
 	if testHook != nil {
 		testHook(c, m)
 	}
 
 	var srv *http.Server
 	if *listen != "" {
+		var dash http.Handler
+		if *serveDash {
+			if dash, err = newDashboard(ctx, pool, log, *riverSchema, *queue, *dashActions, *dashResults); err != nil {
+				return err
+			}
+		}
 		ln, err := net.Listen("tcp", *listen)
 		if err != nil {
 			return usageErr("--listen %s: %v", *listen, err)
 		}
-		srv = &http.Server{Handler: m.handler(pool, log), ReadHeaderTimeout: 5 * time.Second}
+		srv = &http.Server{Handler: m.handler(pool, log, dash), ReadHeaderTimeout: 5 * time.Second}
 		go func() { _ = srv.Serve(ln) }()
-		log.LogAttrs(ctx, slog.LevelInfo, "serving /healthz and /metrics", slog.String("addr", ln.Addr().String()))
+		what := "/healthz and /metrics"
+		if dash != nil {
+			what += " and the dashboard at /"
+			if host, _, _ := net.SplitHostPort(ln.Addr().String()); !isLoopback(host) {
+				log.LogAttrs(ctx, slog.LevelWarn, "the dashboard has no authentication and listens beyond this machine: put it behind your authenticating proxy, or --listen 127.0.0.1:PORT",
+					slog.String("addr", ln.Addr().String()))
+			}
+		}
+		log.LogAttrs(ctx, slog.LevelInfo, "serving "+what, slog.String("addr", ln.Addr().String()))
 	}
 	c.Start()
 	log.LogAttrs(ctx, slog.LevelInfo, "idemctl run started",
-		slog.String("prune_schedule", *pruneSpec), slog.String("rotate_schedule", *rotateSpec))
+		slog.String("prune_schedule", *pruneSpec), slog.String("rotate_schedule", *rotateSpec),
+		slog.String("stats_schedule", *statsSpec))
 	// Once at start, rotation then prune, through the same chain (a run of
 	// the schedule that comes meanwhile is skipped, not doubled): a daemon
 	// restarted after a long stop, or with a daily rotation, does not wait
@@ -129,6 +162,7 @@ func runDaemon(ctx context.Context, io IO, g *globals, args []string) error {
 	go func() {
 		c.Entry(rotateID).WrappedJob.Run()
 		c.Entry(pruneID).WrappedJob.Run()
+		c.Entry(statsID).WrappedJob.Run()
 	}()
 
 	<-ctx.Done()
@@ -230,8 +264,13 @@ func (m *metrics) job(ctx context.Context, log *slog.Logger, name string, body f
 	})
 }
 
-func (m *metrics) handler(pool *pgxpool.Pool, log *slog.Logger) http.Handler {
+// handler serves /metrics and /healthz, and the dashboard (when not nil)
+// at every other path.
+func (m *metrics) handler(pool *pgxpool.Pool, log *slog.Logger, dash http.Handler) http.Handler {
 	mux := http.NewServeMux()
+	if dash != nil {
+		mux.Handle("/", dash)
+	}
 	mux.Handle("/metrics", promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) {
 		ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)

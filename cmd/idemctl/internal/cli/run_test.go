@@ -225,7 +225,7 @@ func TestHealthzRevealsNothing(t *testing.T) {
 	}
 	defer pool.Close()
 	var logs testdb.Buffer
-	srv := httptest.NewServer(newMetrics(pool).handler(pool, slog.New(slog.NewTextHandler(&logs, nil))))
+	srv := httptest.NewServer(newMetrics(pool).handler(pool, slog.New(slog.NewTextHandler(&logs, nil)), nil))
 	defer srv.Close()
 	status, body := get(t, srv.URL+"/healthz")
 	if status != http.StatusServiceUnavailable || strings.TrimSpace(body) != "database unreachable" {

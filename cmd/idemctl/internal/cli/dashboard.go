@@ -1,0 +1,74 @@
+package cli
+
+import (
+	"context"
+	"log/slog"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem/dashboard"
+	"github.com/idemkit/idem/db/pgxdb"
+	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/maintlock"
+)
+
+// newDashboard is idemctl run --http's dashboard. The dead letters page
+// and its replay need the inbox's River tables; without them the page
+// says the inbox is not in use.
+func newDashboard(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger, riverSchema, queue string, actions, results bool) (http.Handler, error) {
+	table := "river_job"
+	if riverSchema != "" {
+		table = pgx.Identifier{riverSchema, "river_job"}.Sanitize()
+	}
+	var hasRiver bool
+	if err := pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&hasRiver); err != nil {
+		return nil, err
+	}
+	cfg := dashboard.Config{Pool: pool, Actions: actions, ShowResults: results, Logger: log.With(slog.String("component", "dashboard"))}
+	if hasRiver {
+		in, err := inbox.New(inbox.Config{Pool: pool, Schema: riverSchema, Queue: queue, Logger: log})
+		if err != nil {
+			return nil, usageErr("%v", err)
+		}
+		cfg.Inbox = in
+	}
+	d, err := dashboard.New(cfg)
+	if err != nil {
+		return nil, usageErr("%v", err)
+	}
+	return d, nil
+}
+
+// snapshotJob is the daemon's snapshot job: idem.snapshot_stats(), the
+// per-source counts the dashboard's overview shows, recorded in idem.runs.
+func snapshotJob(pool *pgxpool.Pool, log *slog.Logger) func(context.Context) (string, error) {
+	holder := maintlock.NewHolderID()
+	return func(ctx context.Context) (string, error) {
+		start := time.Now()
+		q := pgxdb.New(pool)
+		n, err := q.SnapshotStats(ctx)
+		r := maintlock.Run{Job: "snapshot", Started: start, Outcome: "ok", Holder: holder,
+			Figures: map[string]any{"sources": n}}
+		if err != nil {
+			r.Outcome, r.Err, r.Figures = "error", err, nil
+		}
+		maintlock.Record(ctx, q, log, r)
+		if err != nil {
+			return "error", err
+		}
+		return "ok", nil
+	}
+}
+
+// isLoopback: an address only this machine reaches ("" is every interface).
+func isLoopback(host string) bool {
+	if host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
+}
