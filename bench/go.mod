@@ -33,5 +33,6 @@ require (
 
 require (
 	github.com/idemkit/idem v0.0.0-00010101000000-000000000000
+	github.com/idemkit/idem/dashboard v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/inbox v0.0.0-00010101000000-000000000000
 )

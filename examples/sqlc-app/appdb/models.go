@@ -8,6 +8,14 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
+type IdemActivity struct {
+	Minute     pgtype.Timestamptz
+	Source     string
+	Slot       int32
+	Acquired   int64
+	Duplicates int64
+}
+
 type IdemAdoption struct {
 	ID           int64
 	Source       string
@@ -119,6 +127,34 @@ type IdemQueueCount struct {
 	Accepted  int64
 	Processed int64
 	Since     pgtype.Timestamptz
+}
+
+type IdemRun struct {
+	ID         int64
+	Job        string
+	StartedAt  pgtype.Timestamptz
+	FinishedAt pgtype.Timestamptz
+	Outcome    string
+	Figures    []byte
+	Error      *string
+	RunBy      string
+}
+
+type IdemSourceSnapshot struct {
+	Source     string
+	TakenAt    pgtype.Timestamptz
+	Took       pgtype.Interval
+	Keys       int64
+	Processing int64
+	Completed  int64
+	Unstored   int64
+	Released   int64
+	Failed     int64
+	Retried    int64
+	Stuck      int64
+	Expired    int64
+	Oldest     pgtype.Timestamptz
+	Newest     pgtype.Timestamptz
 }
 
 type IdemWaiter struct {
