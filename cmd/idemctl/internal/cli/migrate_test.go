@@ -17,10 +17,11 @@ func TestMigrateCommand(t *testing.T) {
 		args []string
 		want string
 	}{
-		{[]string{"migrate", "up"}, "applied 00009_idem_adopt.sql"},
+		{[]string{"migrate", "up"}, "applied 00010_idem_dashboard.sql"},
 		{[]string{"migrate", "up"}, "idem schema is up to date"},
 		{[]string{"migrate", "version"}, "10"},
 		{[]string{"migrate", "status"}, "00001_idem_core.sql                      applied"},
+		{[]string{"migrate", "down"}, "rolled back 00010_idem_dashboard.sql"},
 		{[]string{"migrate", "down"}, "rolled back 00009_idem_adopt.sql"},
 		{[]string{"migrate", "down"}, "rolled back 00008_idem_wait.sql"},
 		{[]string{"migrate", "down"}, "rolled back 00007_idem_inbox_holds.sql"},
