@@ -15,7 +15,8 @@ import (
 // benchDashboard: each page of the dashboard on a table of n keys (10
 // million with -full) over three months and four sources, with a day of
 // activity, 1% of keys failed, 0.5% processing (a fifth of them past their
-// lease), and 500 dead letters: the median and p95 of 30 renders of each
+// lease), and 500 dead letters with their River jobs (the page reads each
+// listed one's job: up to 200 lookups by primary key): the median and p95 of 30 renders of each
 // page, in-process (no network), against a budget of 200 ms. The snapshot
 // (idem.snapshot_stats(), the scan the overview's counts come from, taken by
 // idemctl run) is timed once.
@@ -46,10 +47,18 @@ func benchDashboard(ctx context.Context, e *env, o options, t *table) error {
 		INSERT INTO idem.activity (minute, source, slot, acquired, duplicates)
 		SELECT idem.activity_minute(idem.clock()) - m * interval '1 minute', 'dash-' || s, 0, 40 + m %% 17, 3 + m %% 5
 		  FROM generate_series(0, 24 * 60) m, generate_series(1, 4) s;
+		WITH j AS (
+		    INSERT INTO river_job (args, kind, max_attempts, queue, state, attempt, finalized_at)
+		    SELECT jsonb_build_object('source', 'dash-' || (g %% 4 + 1), 'key', 'evt_' || lpad(g::text, 9, '0'),
+		                              'event_type', 'payment.succeeded', 'payload', encode(convert_to(repeat('x', 2000), 'UTF8'), 'base64'),
+		                              'token', g, 'first_seen', now(), 'expires_at', now() + interval '90 days', 'accepted_at', now()),
+		           'idem.inbox', 10, 'idem_inbox', 'discarded', 10, now()
+		      FROM generate_series(1, 500) g
+		    RETURNING id, args->>'source' AS source, args->>'key' AS key, (args->>'token')::bigint AS g)
 		INSERT INTO idem.holds (source, key, token, job_id, state, held_at, dead_at, error)
-		SELECT 'dash-' || (g %% 4 + 1), 'evt_' || lpad(g::text, 9, '0'), g, 0, 'dead', idem.clock() - interval '1 day',
-		       idem.clock() - g * interval '1 minute', CASE WHEN g %% 2 = 0 THEN 'timeout after 30s' ELSE 'erp answered 422' END
-		  FROM generate_series(1, 500) g ON CONFLICT DO NOTHING;
+		SELECT j.source, j.key, j.g, j.id, 'dead', idem.clock() - interval '1 day', idem.clock() - j.g * interval '1 minute',
+		       CASE WHEN j.g %% 2 = 0 THEN 'timeout after 30s' ELSE 'erp answered 422' END
+		  FROM j ON CONFLICT DO NOTHING;
 		ANALYZE idem.processed_events, idem.activity, idem.holds`, n, n)); err != nil {
 		return err
 	}
@@ -102,7 +111,7 @@ func benchDashboard(ctx context.Context, e *env, o options, t *table) error {
 	}
 	t.add(row{section: "dashboard", metric: fmt.Sprintf("idem.snapshot_stats() over %s keys (the scan idemctl run takes on --stats-schedule; the pages never scan)", fmtCount(n)),
 		idem: fmt.Sprintf("%.1f s", snapshot.Seconds()), baseline: fmt.Sprintf("fill %.0f s", fill.Seconds()), target: "information"})
-	_, err = e.pool.Exec(ctx, `DELETE FROM idem.processed_events WHERE source LIKE 'dash-%'; DELETE FROM idem.holds WHERE source LIKE 'dash-%'; DELETE FROM idem.activity WHERE source LIKE 'dash-%'; DELETE FROM idem.source_snapshots WHERE source LIKE 'dash-%'`)
+	_, err = e.pool.Exec(ctx, `DELETE FROM idem.processed_events WHERE source LIKE 'dash-%'; DELETE FROM idem.holds WHERE source LIKE 'dash-%'; DELETE FROM river_job WHERE args->>'source' LIKE 'dash-%'; DELETE FROM idem.activity WHERE source LIKE 'dash-%'; DELETE FROM idem.source_snapshots WHERE source LIKE 'dash-%'`)
 	return err
 }
 

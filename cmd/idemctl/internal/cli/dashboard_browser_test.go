@@ -233,6 +233,26 @@ func TestDashboardInBrowser(t *testing.T) {
 		})
 	}
 	css := func(s string) chromedp.CSS { return chromedp.CSS(s) }
+	// clickThen clicks what navigates (a form's button) and waits for an
+	// element of the next page; a query that meets the page mid-navigation
+	// ("Not attached to an active page") is tried again.
+	clickThen := func(what, click, next string) {
+		t.Helper()
+		step(what, chromedp.Click(css(click)))
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			sctx, scancel := context.WithTimeout(bctx, 5*time.Second)
+			err := chromedp.Do(sctx, chromedp.WaitVisible(css(next)))
+			scancel()
+			if err == nil {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: waiting for %s: %v\n%s", what, next, err, errw.String())
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
 
 	// Overview: each source's duplicate rate over the last hour is the
 	// storm's, exact (sampling 1).
@@ -256,17 +276,19 @@ func TestDashboardInBrowser(t *testing.T) {
 	// first, then confirmed.
 	step("dead letters", chromedp.Navigate(base+"/dead"), chromedp.WaitVisible(css(`form.filters input[name="error"]`)),
 		chromedp.SendKeys(css(`form.filters input[name="source"]`), "shop"),
-		chromedp.SendKeys(css(`form.filters input[name="error"]`), "422"),
-		chromedp.Click(css(`form.filters button`)),
-		chromedp.WaitVisible(css(`#replay-all`)), shot("dead-letters"))
+		chromedp.SendKeys(css(`form.filters input[name="error"]`), "422"))
+	clickThen("filter", `form.filters button`, `#replay-all`)
+	step("dead letters screenshot", shot("dead-letters"))
 	if count := text(`[data-figure="dead-count"]`); count != "12" {
 		t.Fatalf("the filter shows %s dead letters, want 12", count)
 	}
-	step("dry run", chromedp.Click(css(`#replay-all`)), chromedp.WaitVisible(css(`#confirm`)), shot("replay-dry-run"))
+	clickThen("dry run", `#replay-all`, `#confirm`)
+	step("dry run screenshot", shot("replay-dry-run"))
 	if dry := text(`[data-figure="dry-run-count"]`); dry != "12" || dead("") != 20 {
 		t.Fatalf("the dry run counts %s (want 12) and left %d dead letters (want 20)", dry, dead(""))
 	}
-	step("confirm", chromedp.Click(css(`#confirm`)), chromedp.WaitVisible(css(`[data-figure="replay-summary"]`)), shot("replay-done"))
+	clickThen("confirm", `#confirm`, `[data-figure="replay-summary"]`)
+	step("replay screenshot", shot("replay-done"))
 	if summary := text(`[data-figure="replay-summary"]`); !strings.Contains(summary, "12 replayed") {
 		t.Fatalf("the replay says %q", summary)
 	}
@@ -282,12 +304,12 @@ func TestDashboardInBrowser(t *testing.T) {
 	// Two ticked by hand.
 	step("tick two", chromedp.Navigate(base+"/dead?source=shop&error=timeout"), chromedp.WaitVisible(css(`#replay-selected`)),
 		chromedp.Click(css(`tbody tr:nth-child(1) input[name="k"]`)),
-		chromedp.Click(css(`tbody tr:nth-child(2) input[name="k"]`)),
-		chromedp.Click(css(`#replay-selected`)), chromedp.WaitVisible(css(`#confirm`)))
+		chromedp.Click(css(`tbody tr:nth-child(2) input[name="k"]`)))
+	clickThen("replay the ticked", `#replay-selected`, `#confirm`)
 	if dry := text(`[data-figure="dry-run-count"]`); dry != "2" {
 		t.Fatalf("ticking two: the dry run counts %q", dry)
 	}
-	step("confirm two", chromedp.Click(css(`#confirm`)), chromedp.WaitVisible(css(`[data-figure="replay-summary"]`)))
+	clickThen("confirm two", `#confirm`, `[data-figure="replay-summary"]`)
 	if summary := text(`[data-figure="replay-summary"]`); !strings.Contains(summary, "2 replayed") {
 		t.Fatalf("ticking two: the replay says %q", summary)
 	}
@@ -306,8 +328,8 @@ func TestDashboardInBrowser(t *testing.T) {
 	}))
 	defer evil.Close()
 	evilURL := strings.Replace(evil.URL, "127.0.0.1", "localhost", 1) // another site, not just another port
-	step("cross-site form", chromedp.Navigate(evilURL), chromedp.WaitVisible(css(`#go`)), chromedp.Click(css(`#go`)),
-		chromedp.WaitNotPresent(css(`#go`)))
+	step("cross-site form", chromedp.Navigate(evilURL), chromedp.WaitVisible(css(`#go`)))
+	clickThen("cross-site post", `#go`, `body:not(:has(#go))`)
 	if refused := text(`body`); !strings.Contains(refused, "cross-origin request refused") {
 		t.Errorf("the cross-site form was answered %q", refused)
 	}
