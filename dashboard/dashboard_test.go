@@ -3,6 +3,7 @@ package dashboard_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -344,4 +345,61 @@ func TestPrefix(t *testing.T) {
 	if code, body := get(t, srv.URL+"/ops/idem"); code != 200 || !strings.Contains(body, "Overview") {
 		t.Fatalf("the prefix without its slash: %d", code)
 	}
+}
+
+// TestAsMaintainer: the dashboard on a pool whose sessions are a role given
+// only idem.grant_maintainer (and River's rights by inbox.GrantRiver) reads
+// every page and replays dead letters: what its documentation asks for is
+// enough.
+func TestAsMaintainer(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := setup(t)
+	role := fmt.Sprintf("dash_maint_%d", time.Now().UnixNano())
+	if _, err := f.pool.Exec(ctx, `CREATE ROLE `+role); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = f.pool.Exec(context.Background(), `DROP OWNED BY `+role+`; DROP ROLE IF EXISTS `+role)
+	})
+	if _, err := f.pool.Exec(ctx, `SELECT idem.grant_maintainer($1)`, role); err != nil {
+		t.Fatal(err)
+	}
+	if err := inbox.GrantRiver(ctx, f.pool, ""); err != nil {
+		t.Fatal(err)
+	}
+	cfg := f.pool.Config().Copy()
+	cfg.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
+		_, err := c.Exec(ctx, `SET ROLE `+role)
+		return err
+	}
+	mpool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mpool.Close()
+	var who string
+	if err := mpool.QueryRow(ctx, `SELECT current_user`).Scan(&who); err != nil || who != role {
+		t.Fatalf("the pool's role: %q %v", who, err)
+	}
+	min, err := inbox.New(inbox.Config{Pool: mpool, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := serve(t, dashboard.Config{Pool: mpool, Inbox: min, Actions: true})
+	for _, p := range []string{"/", "/keys?source=web", "/keys?source=web&key=k1", "/keys?status=stuck", "/dead", "/maintenance"} {
+		if code, body := get(t, srv.URL+p); code != 200 {
+			t.Errorf("%s as the maintainer: %d %s", p, code, body)
+		}
+	}
+	code, body := post(t, srv.URL+"/dead/replay", url.Values{"source": {"shop"}, "scope": {"all"}, "confirm": {"1"}, "expected": {"5"}},
+		map[string]string{"Sec-Fetch-Site": "same-origin"})
+	if code != 200 || !strings.Contains(body, "<b>5</b> replayed") {
+		t.Fatalf("replay as the maintainer: %d %s", code, body)
+	}
+	waitFor(t, "the replayed events processed", func() bool {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		return len(f.runs) == 5
+	})
 }
