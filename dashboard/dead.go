@@ -78,14 +78,12 @@ func parseWhen(name, s string) (time.Time, error) {
 }
 
 func (d *Dashboard) deadLetters(w http.ResponseWriter, r *http.Request) {
-	ctx, cancel := d.queryContext(r)
+	p, cancel, ok := d.page(w, r)
 	defer cancel()
-	q := pgxdb.New(d.cfg.Pool)
-	now, err := q.DashClock(ctx)
-	if err != nil {
-		d.fail(w, r, "the clock", err)
+	if !ok {
 		return
 	}
+	ctx, q, now := p.ctx, p.q, p.now
 	ff, f, err := parseFilter(r.URL.Query())
 	if err != nil {
 		d.badRequest(w, r, "dead", "%v", err)
@@ -107,7 +105,7 @@ func (d *Dashboard) deadLetters(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 	}
-	d.render(w, r, http.StatusOK, "dead", "dead", "Dead letters", now.Time, v)
+	d.render(w, r, http.StatusOK, "dead", "dead", "Dead letters", now, v)
 }
 
 // keyRef is a dead letter named in a form: source and key, each base64url
@@ -163,7 +161,7 @@ func (d *Dashboard) replay(w http.ResponseWriter, r *http.Request) {
 		d.badRequest(w, r, "dead", "the form could not be read: %v", err)
 		return
 	}
-	ctx, cancel := d.queryContext(r)
+	ctx, cancel := context.WithTimeout(r.Context(), d.cfg.QueryTimeout)
 	defer cancel()
 	ff, f, err := parseFilter(r.PostForm)
 	if err != nil {

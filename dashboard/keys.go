@@ -33,9 +33,6 @@ type keysView struct {
 }
 
 func (d *Dashboard) keys(w http.ResponseWriter, r *http.Request) {
-	ctx, cancel := d.queryContext(r)
-	defer cancel()
-	q := pgxdb.New(d.cfg.Pool)
 	form := r.URL.Query()
 	v := keysView{Source: form.Get("source"), Key: form.Get("key"), Status: form.Get("status"), Statuses: statuses,
 		ShowResults: d.cfg.ShowResults, Scan: keysScan}
@@ -47,19 +44,20 @@ func (d *Dashboard) keys(w http.ResponseWriter, r *http.Request) {
 		d.badRequest(w, r, "keys", "a source is at most 64 bytes and a key at most 512")
 		return
 	}
-	now, err := q.DashClock(ctx)
-	if err != nil {
-		d.fail(w, r, "the clock", err)
+	p, cancel, ok := d.page(w, r)
+	defer cancel()
+	if !ok {
 		return
 	}
+	ctx, q, now := p.ctx, p.q, p.now
 	policies, err := q.DashPolicies(ctx)
 	if err != nil {
 		d.fail(w, r, "policies", err)
 		return
 	}
-	for _, p := range policies {
-		if p.Source != "*" {
-			v.Sources = append(v.Sources, p.Source)
+	for _, pol := range policies {
+		if pol.Source != "*" {
+			v.Sources = append(v.Sources, pol.Source)
 		}
 	}
 	if v.Key != "" {
@@ -73,7 +71,7 @@ func (d *Dashboard) keys(w http.ResponseWriter, r *http.Request) {
 			d.fail(w, r, "the key", err)
 			return
 		}
-		d.render(w, r, http.StatusOK, "keys", "keys", "Keys", now.Time, v)
+		d.render(w, r, http.StatusOK, "keys", "keys", "Keys", now, v)
 		return
 	}
 	before := pgtype.Timestamptz{InfinityModifier: pgtype.Infinity, Valid: true}
@@ -101,5 +99,5 @@ func (d *Dashboard) keys(w http.ResponseWriter, r *http.Request) {
 		}
 		v.Next = next.Encode()
 	}
-	d.render(w, r, http.StatusOK, "keys", "keys", "Keys", now.Time, v)
+	d.render(w, r, http.StatusOK, "keys", "keys", "Keys", now, v)
 }

@@ -40,34 +40,32 @@ type maintenanceView struct {
 }
 
 func (d *Dashboard) maintenance(w http.ResponseWriter, r *http.Request) {
-	ctx, cancel := d.queryContext(r)
+	p, cancel, ok := d.page(w, r)
 	defer cancel()
-	q := pgxdb.New(d.cfg.Pool)
-	now, err := q.DashClock(ctx)
-	if err != nil {
-		d.fail(w, r, "the clock", err)
+	if !ok {
 		return
 	}
+	ctx, q, now := p.ctx, p.q, p.now
 	parts, err := q.DashPartitions(ctx)
 	if err != nil {
 		d.fail(w, r, "partitions", err)
 		return
 	}
 	v := maintenanceView{Runs: map[string][]runView{}, Jobs: []string{"prune", "rotate", "snapshot"}}
-	month := time.Date(now.Time.UTC().Year(), now.Time.UTC().Month(), 1, 0, 0, 0, 0, time.UTC)
-	for _, p := range parts {
-		pv := partitionView{DashPartitionsRow: p, Month: "default"}
-		if !p.IsDefault {
-			pv.Month = p.MonthFrom.Time.Format("2006-01")
-			pv.Current = p.MonthFrom.Time.Equal(month)
-			pv.Ahead = p.MonthFrom.Time.After(month)
+	month := time.Date(now.UTC().Year(), now.UTC().Month(), 1, 0, 0, 0, 0, time.UTC)
+	for _, part := range parts {
+		pv := partitionView{DashPartitionsRow: part, Month: "default"}
+		if !part.IsDefault {
+			pv.Month = part.MonthFrom.Time.Format("2006-01")
+			pv.Current = part.MonthFrom.Time.Equal(month)
+			pv.Ahead = part.MonthFrom.Time.After(month)
 			if pv.Ahead {
 				v.MonthsAhead++
 			}
 		}
-		v.TotalBytes += p.TotalBytes
-		if p.EstRows > 0 {
-			v.EstimatedAll += p.EstRows
+		v.TotalBytes += part.TotalBytes
+		if part.EstRows > 0 {
+			v.EstimatedAll += part.EstRows
 		}
 		v.Partitions = append(v.Partitions, pv)
 	}
@@ -94,7 +92,7 @@ func (d *Dashboard) maintenance(w http.ResponseWriter, r *http.Request) {
 		d.fail(w, r, "locks", err)
 		return
 	}
-	d.render(w, r, http.StatusOK, "maintenance", "maintenance", "Partitions and maintenance", now.Time, v)
+	d.render(w, r, http.StatusOK, "maintenance", "maintenance", "Partitions and maintenance", now, v)
 }
 
 // summarize prints a run's figures as "key value · key value", numbers with

@@ -41,16 +41,14 @@ type overviewView struct {
 }
 
 func (d *Dashboard) overview(w http.ResponseWriter, r *http.Request) {
-	ctx, cancel := d.queryContext(r)
+	p, cancel, ok := d.page(w, r)
 	defer cancel()
-	q := pgxdb.New(d.cfg.Pool)
-	now, err := q.DashClock(ctx)
-	if err != nil {
-		d.fail(w, r, "the clock", err)
+	if !ok {
 		return
 	}
+	ctx, q, now := p.ctx, p.q, p.now
 	activity, err := q.DashActivity(ctx, pgxdb.DashActivityParams{BucketSeconds: 60,
-		Since: pgtype.Timestamptz{Time: now.Time.Add(-24 * time.Hour).Truncate(time.Minute), Valid: true}})
+		Since: pgtype.Timestamptz{Time: now.Add(-24 * time.Hour).Truncate(time.Minute), Valid: true}})
 	if err != nil {
 		d.fail(w, r, "activity", err)
 		return
@@ -70,9 +68,9 @@ func (d *Dashboard) overview(w http.ResponseWriter, r *http.Request) {
 		d.fail(w, r, "holds", err)
 		return
 	}
-	v := buildOverview(now.Time, d.cfg.DuplicateAlert, activity, policies, snaps, holds)
+	v := buildOverview(now, d.cfg.DuplicateAlert, activity, policies, snaps, holds)
 	v.Inbox = d.cfg.Inbox != nil
-	d.render(w, r, http.StatusOK, "overview", "overview", "Overview", now.Time, v)
+	d.render(w, r, http.StatusOK, "overview", "overview", "Overview", now, v)
 }
 
 // buildOverview folds the rows into one card per source: every source that

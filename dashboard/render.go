@@ -13,6 +13,8 @@ import (
 	"strings"
 	"time"
 	"unicode/utf8"
+
+	"github.com/idemkit/idem/db/pgxdb"
 )
 
 //go:embed templates/*.html
@@ -92,8 +94,24 @@ func (d *Dashboard) badRequest(w http.ResponseWriter, r *http.Request, section, 
 		map[string]string{"What": "bad request", "Message": fmt.Sprintf(format, a...)})
 }
 
-func (d *Dashboard) queryContext(r *http.Request) (context.Context, context.CancelFunc) {
-	return context.WithTimeout(r.Context(), d.cfg.QueryTimeout)
+// page is what every page's handler starts with: a context bounded by
+// Config.QueryTimeout, the queries, and the database's clock (idem.clock(),
+// which the pages' times are relative to). On an error it has answered.
+type page struct {
+	ctx context.Context
+	q   *pgxdb.Queries
+	now time.Time
+}
+
+func (d *Dashboard) page(w http.ResponseWriter, r *http.Request) (*page, context.CancelFunc, bool) {
+	ctx, cancel := context.WithTimeout(r.Context(), d.cfg.QueryTimeout)
+	q := pgxdb.New(d.cfg.Pool)
+	now, err := q.DashClock(ctx)
+	if err != nil {
+		d.fail(w, r, "the clock", err)
+		return nil, cancel, false
+	}
+	return &page{ctx: ctx, q: q, now: now.Time}, cancel, true
 }
 
 func formatInt(n int64) string {
