@@ -45,6 +45,114 @@ func cachedClient(t *testing.T, pool *pgxpool.Pool) *idem.Client {
 	return c
 }
 
+// warmCache returns once c's cache answers for (source, key), completed
+// with fingerprint fp: until the listener has started and tested itself,
+// claims go to the database; then one more fills the cache. source counts
+// every duplicate (countEvery).
+func warmCache(t *testing.T, c *idem.Client, pool *pgxpool.Pool, source, key, fp string) {
+	t.Helper()
+	ctx := context.Background()
+	work := func(context.Context) (any, error) { return map[string]int{"n": 1}, nil }
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		before := counted(t, pool, source)
+		if _, err := c.Do(ctx, source, key, work, idem.WithFingerprint(fp)); err != nil {
+			t.Fatal(err)
+		}
+		if counted(t, pool, source) == before {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the cache never answered: %d counted", counted(t, pool, source))
+		}
+	}
+}
+
+// TestCacheInTx: a client from WithTx answers from its parent's cache and
+// fills it, but only with what another transaction committed: a key
+// completed earlier in the same transaction (which then rolls back) is
+// never cached, so the genuine delivery runs afterwards. (Claims refuse
+// REPEATABLE READ and SERIALIZABLE; the check also says READ COMMITTED.)
+func TestCacheInTx(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t, testdb.New(t), 8)
+	countEvery(t, pool, "warm")
+	// "tx" counts no duplicate: a duplicate's claim writes nothing.
+	if _, err := pool.Exec(ctx, `INSERT INTO idem.policies (source, ttl, lease, duplicate_sampling) VALUES ('tx', '30 days', '2 minutes', 0)`); err != nil {
+		t.Fatal(err)
+	}
+	c := cachedClient(t, pool)
+	plain := idem.New(pool, nil)
+	warmCache(t, c, pool, "warm", "k", "")
+	runs := map[string]int{}
+	work := func(key string) func(context.Context) (any, error) {
+		return func(context.Context) (any, error) { runs[key]++; return key, nil }
+	}
+	inTx := func(fn func(tx pgx.Tx) error) error { return pgx.BeginFunc(ctx, pool, fn) }
+	rollback := errors.New("rollback")
+	// deleteByHand removes a key's row without idem.release: nothing is
+	// heard, so a cached answer is told apart from the database's.
+	deleteByHand := func(key string) {
+		t.Helper()
+		if _, err := pool.Exec(ctx, `DELETE FROM idem.processed_events WHERE source = 'tx' AND key = $1`, key); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	t.Run("committed elsewhere is cached", func(t *testing.T) {
+		if _, err := plain.Do(ctx, "tx", "a", work("a")); err != nil {
+			t.Fatal(err)
+		}
+		if err := inTx(func(tx pgx.Tx) error {
+			res, err := c.WithTx(tx).Do(ctx, "tx", "a", work("a"))
+			if err == nil && !res.Replayed {
+				t.Errorf("not replayed: %+v", res)
+			}
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+		deleteByHand("a")
+		for _, cl := range []*idem.Client{c, nil} {
+			err := inTx(func(tx pgx.Tx) error {
+				if cl == nil {
+					cl = c.WithTx(tx)
+				}
+				res, err := cl.Do(ctx, "tx", "a", work("a"))
+				if err == nil && !res.Replayed {
+					t.Errorf("the cache did not answer: %+v", res)
+				}
+				return err
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+		if runs["a"] != 1 {
+			t.Fatalf("ran %d times, want 1", runs["a"])
+		}
+	})
+
+	t.Run("own completion rolled back is not cached", func(t *testing.T) {
+		err := inTx(func(tx pgx.Tx) error {
+			for range 2 {
+				if _, err := c.WithTx(tx).Do(ctx, "tx", "b", work("b")); err != nil {
+					return err
+				}
+			}
+			return rollback
+		})
+		if !errors.Is(err, rollback) || runs["b"] != 1 {
+			t.Fatalf("%v, %d runs", err, runs["b"])
+		}
+		res, err := c.Do(ctx, "tx", "b", work("b"))
+		if err != nil || res.Replayed || runs["b"] != 2 {
+			t.Fatalf("the genuine delivery after the rollback: %+v %v, %d runs", res, err, runs["b"])
+		}
+	})
+
+}
+
 // TestCache: completed outcomes are answered from the cache (not counted
 // again by the database: no round trip) once the listener is up; a first
 // delivery, a key in progress and another fingerprint go to the database
@@ -60,20 +168,7 @@ func TestCache(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// Until the listener has started and tested itself, claims go to the
-	// database; then one more fills the cache, and the rest are cached.
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-		before := counted(t, pool, "c")
-		if _, err := c.Do(ctx, "c", "k", work, idem.WithFingerprint("fp")); err != nil {
-			t.Fatal(err)
-		}
-		if counted(t, pool, "c") == before {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the cache never answered: %d counted", counted(t, pool, "c"))
-		}
-	}
+	warmCache(t, c, pool, "c", "k", "fp")
 	before := counted(t, pool, "c")
 	for range 50 {
 		res, err := c.Do(ctx, "c", "k", func(context.Context) (any, error) { t.Fatal("ran again"); return nil, nil }, idem.WithFingerprint("fp"))

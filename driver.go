@@ -59,6 +59,10 @@ type driver interface {
 	peek(ctx context.Context, source, key string) (string, time.Duration, error)
 	waitBegin(ctx context.Context, source, key string, wait time.Duration) (int64, error)
 	waitEnd(ctx context.Context, id int64) error
+	// cacheable reports whether what the executor's transaction reads is
+	// only what other transactions committed, each statement with a
+	// snapshot of its own (Config.Cache inside the caller's transaction).
+	cacheable(ctx context.Context) (bool, error)
 	// concurrent reports whether the executor may be used from several
 	// goroutines at once (a pool), which Do's heartbeat needs.
 	concurrent() bool
@@ -251,6 +255,8 @@ func (d pgxDriver) peek(ctx context.Context, source, key string) (string, time.D
 	return row.Status, time.Duration(row.LeaseRemainingMs) * time.Millisecond, err
 }
 
+func (d pgxDriver) cacheable(ctx context.Context) (bool, error) { return d.q.Cacheable(ctx) }
+
 func (d pgxDriver) waitBegin(ctx context.Context, source, key string, wait time.Duration) (int64, error) {
 	return d.q.WaitBegin(ctx, pgxdb.WaitBeginParams{Source: source, Key: key, WaitMs: max(wait.Milliseconds(), 1)})
 }
@@ -332,5 +338,7 @@ func (d sqlDriver) peek(ctx context.Context, source, key string) (string, time.D
 func (d sqlDriver) waitBegin(ctx context.Context, source, key string, wait time.Duration) (int64, error) {
 	return d.q.WaitBegin(ctx, sqldb.WaitBeginParams{Source: source, Key: key, WaitMs: max(wait.Milliseconds(), 1)})
 }
+
+func (d sqlDriver) cacheable(context.Context) (bool, error) { return false, nil } // no cache on database/sql
 
 func (d sqlDriver) waitEnd(ctx context.Context, id int64) error { return d.q.WaitEnd(ctx, id) }

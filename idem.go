@@ -122,8 +122,11 @@ type Config struct {
 	// (ReleaseGrace after the commit) no cache answers for the key. Where
 	// LISTEN gets nothing (a transaction pooler), the cache never answers.
 	// Rows deleted by hand are not heard: use idem.release. New only, over
-	// a *pgxpool.Pool; call Client.Close to stop the listener. Default:
-	// none.
+	// a *pgxpool.Pool; call Client.Close to stop the listener. Clients
+	// from WithTx answer from the same cache, and fill it only with a
+	// completion another transaction committed (on a miss that answered
+	// Completed, one more query checks that the caller's transaction has
+	// written nothing and reads at READ COMMITTED). Default: none.
 	Cache *CacheConfig
 }
 
@@ -168,7 +171,8 @@ type Client struct {
 	mode   *execMode      // pgx clients: shared with the clients WithTx derives
 	wait   *time.Duration // Config.LockWait as claim's lock_wait: nil for the database's default
 	hub    *hub           // pgx pool clients: the waiters' and the cache's listener
-	cache  *cache         // Config.Cache, on a pool client
+	cache  *cache         // Config.Cache, on a pool client and the clients WithTx derives
+	inTx   bool           // derived by WithTx: reads the cache, puts only what another transaction committed
 }
 
 // New returns a Client over a pgx pool, connection or transaction.
@@ -235,6 +239,9 @@ func defaults(cfg *Config) (Config, error) {
 // client still works afterwards, without its cache and polling when it
 // waits. Clients from WithTx share their parent's and need no Close.
 func (c *Client) Close() {
+	if c.inTx {
+		return
+	}
 	if c.hub != nil {
 		c.hub.close()
 	}
@@ -245,13 +252,15 @@ func (c *Client) Close() {
 
 // WithTx returns a Client with the same configuration that runs inside tx.
 // Claiming inside the transaction that also writes your business data makes
-// the two commit or roll back together.
+// the two commit or roll back together. A client with Config.Cache shares
+// it with the clients it derives (see Config.Cache).
 func (c *Client) WithTx(tx pgx.Tx) *Client {
 	mode := c.mode
 	if mode == nil { // a database/sql client: tx's own mode
 		mode = &execMode{fixed: c.cfg.QueryExecMode, log: c.cfg.Logger}
 	}
-	return &Client{d: newPgxDriver(tx, mode), cfg: c.cfg, cfgErr: c.cfgErr, mode: mode, wait: c.wait}
+	return &Client{d: newPgxDriver(tx, mode), cfg: c.cfg, cfgErr: c.cfgErr, mode: mode, wait: c.wait,
+		hub: c.hub, cache: c.cache, inTx: true}
 }
 
 // WithSQLTx is WithTx for database/sql.
@@ -321,7 +330,20 @@ func (c *Client) claim(ctx context.Context, source, key string, opts []ClaimOpti
 		return nil, convert("claim", source, key, err)
 	}
 	if cached && cl.Outcome == Completed && c.hub.fresh() {
-		c.cache.put(digest, a.fingerprint, cl, gen)
+		ok := true
+		if c.inTx {
+			// Inside the caller's transaction the completion may be this
+			// transaction's own (Do twice in it) and roll back, or (above
+			// READ COMMITTED) older than a release heard before gen was
+			// read: cache it only when this transaction has written nothing
+			// and reads with a snapshot per statement.
+			if ok, err = c.d.cacheable(ctx); err != nil {
+				return nil, convert("claim", source, key, err)
+			}
+		}
+		if ok {
+			c.cache.put(digest, a.fingerprint, cl, gen)
+		}
 	}
 	if cl.Outcome == InProgress && a.wait > 0 {
 		if cl, err = c.waitFor(ctx, a, cl); err != nil {

@@ -11,6 +11,22 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
+const cacheable = `-- name: Cacheable :one
+SELECT (pg_current_xact_id_if_assigned() IS NULL
+        AND current_setting('transaction_isolation') = 'read committed')::bool AS cacheable
+`
+
+// Whether a completed answer read in the current transaction was committed
+// by another one and is read with a snapshot per statement: this
+// transaction has written nothing (no transaction id yet; PostgreSQL 13+)
+// and runs at READ COMMITTED. Config.Cache inside the caller's transaction.
+func (q *Queries) Cacheable(ctx context.Context) (bool, error) {
+	row := q.db.QueryRow(ctx, cacheable)
+	var cacheable bool
+	err := row.Scan(&cacheable)
+	return cacheable, err
+}
+
 const claim = `-- name: Claim :one
 
 SELECT c.outcome::text             AS outcome,

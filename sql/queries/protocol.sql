@@ -65,3 +65,11 @@ SELECT idem.wait_end(sqlc.arg(id)::bigint);
 SELECT coalesce(p.status, '')::text               AS status,
        coalesce(p.lease_remaining_ms, 0)::bigint AS lease_remaining_ms
   FROM idem.peek(sqlc.arg(source)::text, sqlc.arg(key)::text) AS p;
+
+-- name: Cacheable :one
+-- Whether a completed answer read in the current transaction was committed
+-- by another one and is read with a snapshot per statement: this
+-- transaction has written nothing (no transaction id yet; PostgreSQL 13+)
+-- and runs at READ COMMITTED. Config.Cache inside the caller's transaction.
+SELECT (pg_current_xact_id_if_assigned() IS NULL
+        AND current_setting('transaction_isolation') = 'read committed')::bool AS cacheable;
