@@ -57,6 +57,11 @@ var (
 	// ErrResultTooLarge or ErrInvalidInput). Duplicates are answered as
 	// done, with no result.
 	ErrResultNotStored = errors.New("idem: the work ran and the key is completed, but its result could not be stored")
+	// ErrNotDelegated: on Citus, a claim ran on a node that does not hold
+	// its key's shard, where its per-key lock would not exclude the owning
+	// node's claims (SQLSTATE ID005, migration 11; docs/citus.md). Nothing
+	// was claimed.
+	ErrNotDelegated = errors.New("idem: the claim was not delegated to the Citus node that holds its key")
 )
 
 // Error is an error from PostgreSQL while running an idem operation.
@@ -165,6 +170,8 @@ func convert(op, source, key string, err error) error {
 			e.Kind = ErrSerialization
 		case sqlstate.InvalidSchemaName, sqlstate.UndefinedFunction, sqlstate.UndefinedTable:
 			e.Kind = ErrNotMigrated
+		case sqlstate.NotDelegated:
+			e.Kind = ErrNotDelegated
 		}
 	case errors.Is(err, pgx.ErrNoRows):
 		// The protocol functions always return a row; none means the

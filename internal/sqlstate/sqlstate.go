@@ -26,6 +26,9 @@ const (
 	// KeyBusy: idem.release refused a key in progress under a live lease,
 	// or held by the inbox (migration 8).
 	KeyBusy = "ID004"
+	// NotDelegated: on Citus, idem.claim ran on a node that does not hold
+	// its key's shard (migration 11).
+	NotDelegated = "ID005"
 )
 
 // PostgreSQL's conditions that idem's functions also raise, with the

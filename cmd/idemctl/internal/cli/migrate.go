@@ -2,6 +2,7 @@ package cli
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -23,6 +24,7 @@ func runMigrate(ctx context.Context, io IO, g *globals, args []string) error {
 	force := fs.Bool("force", false, "down: drop the stored keys too (a down to version 0 refuses while keys are stored)")
 	withRiver := fs.Bool("river", true, "up: also apply River's migrations (the inbox's queue; only the versions missing, safe next to an application's own River)")
 	riverSchema := fs.String("river-schema", "", "up: the schema of River's tables (default: the search_path, as River's own client)")
+	citus := fs.Bool("citus", false, "up: distribute idem on this Citus coordinator (docs/citus.md); once distributed, every up does it again")
 	if len(args) > 0 && isHelp(args[0]) {
 		return subcommandHelp(io.Out, "migrate up [--to N] | down [--to N] [--force] | status | version [flags]", fs)
 	}
@@ -43,6 +45,9 @@ func runMigrate(ctx context.Context, io IO, g *globals, args []string) error {
 	}
 	if to != nil && *to < 0 {
 		return usageErr("--to %d is not a version: give 0 or more (0: before the first migration)", *to)
+	}
+	if *citus && sub != "up" {
+		return usageErr("--citus is for migrate up, not %s", sub)
 	}
 	if to != nil && sub != "up" && sub != "down" {
 		return usageErr("--to is for migrate up and down, not %s", sub)
@@ -78,6 +83,9 @@ func runMigrate(ctx context.Context, io IO, g *globals, args []string) error {
 		}
 		if len(res) == 0 {
 			fmt.Fprintln(io.Out, "idem schema is up to date")
+		}
+		if err := upCitus(ctx, io, db, *citus); err != nil {
+			return err
 		}
 		if *withRiver && to == nil {
 			versions, err := inbox.Migrate(ctx, pool, *riverSchema)
@@ -136,6 +144,29 @@ func runMigrate(ctx context.Context, io IO, g *globals, args []string) error {
 			return err
 		}
 		fmt.Fprintln(io.Out, v)
+	}
+	return nil
+}
+
+// upCitus runs migrate.Citus after an up with --citus, and after every up
+// of an installation that is distributed already (a migration that
+// replaced a per-key function reset what Citus needs).
+func upCitus(ctx context.Context, io IO, db *sql.DB, asked bool) error {
+	if !asked {
+		d, err := migrate.Distributed(ctx, db)
+		if err != nil || !d {
+			return err
+		}
+	}
+	done, err := migrate.Citus(ctx, db)
+	if err != nil {
+		return err
+	}
+	for _, s := range done {
+		fmt.Fprintln(io.Out, "citus:", s)
+	}
+	if len(done) == 0 {
+		fmt.Fprintln(io.Out, "citus: idem is distributed")
 	}
 	return nil
 }

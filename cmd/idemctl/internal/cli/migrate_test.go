@@ -17,10 +17,12 @@ func TestMigrateCommand(t *testing.T) {
 		args []string
 		want string
 	}{
-		{[]string{"migrate", "up"}, "applied 00010_idem_dashboard.sql"},
+		{[]string{"migrate", "up"}, "applied 00011_idem_citus.sql"},
 		{[]string{"migrate", "up"}, "idem schema is up to date"},
-		{[]string{"migrate", "version"}, "10"},
+		{[]string{"migrate", "version"}, "11"},
 		{[]string{"migrate", "status"}, "00001_idem_core.sql                      applied"},
+		{[]string{"migrate", "status", "--citus"}, ""}, // replaced below: --citus is for up
+		{[]string{"migrate", "down"}, "rolled back 00011_idem_citus.sql"},
 		{[]string{"migrate", "down"}, "rolled back 00010_idem_dashboard.sql"},
 		{[]string{"migrate", "down"}, "rolled back 00009_idem_adopt.sql"},
 		{[]string{"migrate", "down"}, "rolled back 00008_idem_wait.sql"},
@@ -35,6 +37,18 @@ func TestMigrateCommand(t *testing.T) {
 		{[]string{"migrate", "up"}, "applied 00001_idem_core.sql"},
 	}
 	for _, s := range steps {
+		if len(s.args) == 3 && s.args[2] == "--citus" {
+			// --citus elsewhere than up is a usage error; on up without
+			// Citus, an error naming what to do, after the migrations.
+			if r := idemctl(t, ctx, env, s.args...); r.code != ExitUsage {
+				t.Fatalf("%v: %+v, want the usage exit code", s.args, r)
+			}
+			r := idemctl(t, ctx, env, "migrate", "up", "--citus")
+			if r.code == 0 || !strings.Contains(r.errout, "Citus is not installed in this database") {
+				t.Fatalf("migrate up --citus without Citus: %+v", r)
+			}
+			continue
+		}
 		r := idemctl(t, ctx, env, s.args...)
 		if r.code != 0 || !strings.Contains(r.out, s.want) {
 			t.Fatalf("%v: exit %d, want output containing %q\nstdout: %s\nstderr: %s", s.args, r.code, s.want, r.out, r.errout)

@@ -1,0 +1,405 @@
+// Package citustest is the opt-in suite of idem on Citus (docs/citus.md):
+// it runs when IDEM_TEST_CITUS_URL points at a Citus coordinator's
+// database whose workers are added (citus_add_node), and says it did not
+// run, and why, otherwise. Each test drops schema idem there and migrates
+// again with migrate.Citus, so the tests run one after another.
+package citustest_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	_ "github.com/jackc/pgx/v5/stdlib"
+
+	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/internal/partition"
+	"github.com/idemkit/idem/internal/prune"
+	"github.com/idemkit/idem/internal/sqlstate"
+	"github.com/idemkit/idem/migrate"
+)
+
+// EnvURL names the coordinator's database.
+const EnvURL = "IDEM_TEST_CITUS_URL"
+
+// setup gives t a freshly migrated, distributed idem on the Citus
+// coordinator and a pool on it.
+func setup(t *testing.T) *pgxpool.Pool {
+	t.Helper()
+	url := os.Getenv(EnvURL)
+	if url == "" {
+		t.Skip(EnvURL + " is not set: the Citus suite did not run. It needs a Citus coordinator with workers; docs/citus.md says how to start one and run it.")
+	}
+	ctx := context.Background()
+	db, err := sql.Open("pgx", url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	for _, q := range []string{
+		`DROP SCHEMA IF EXISTS idem CASCADE`,
+		// The workers' own counters are not distributed objects.
+		`SELECT run_command_on_workers('DROP SCHEMA IF EXISTS idem CASCADE')`,
+	} {
+		if _, err := db.ExecContext(ctx, q); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+	if _, err := migrate.Up(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := migrate.Citus(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	if done, err := migrate.Citus(ctx, db); err != nil || len(done) > 0 {
+		t.Fatalf("migrate.Citus again: did %q, %v; want nothing", done, err)
+	}
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = 24
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	if _, err := pool.Exec(ctx, `INSERT INTO idem.policies (source, ttl, lease, duplicate_sampling) VALUES ('c', '1 day', '1 minute', 1)`); err != nil {
+		t.Fatal(err)
+	}
+	return pool
+}
+
+// callsByNode returns idem.claim's calls on each worker since setup, from
+// the workers' pg_stat_user_functions (track_functions is turned on for
+// them), once they add up to want (statistics are flushed late) or 40 s
+// have passed.
+func callsByNode(t *testing.T, pool *pgxpool.Pool, fn string, want int64) map[string]int64 {
+	t.Helper()
+	ctx := context.Background()
+	read := func() map[string]int64 {
+		rows, err := pool.Query(ctx, `SELECT nodeport::text, coalesce(nullif(result, ''), '0')::bigint
+		  FROM run_command_on_workers(format($$SELECT coalesce(sum(calls), 0) FROM pg_stat_user_functions WHERE schemaname = 'idem' AND funcname = %L$$, $1::text))`, fn)
+		if err != nil {
+			t.Fatal(err)
+		}
+		m, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (kv [2]any, err error) {
+			var port string
+			var n int64
+			err = r.Scan(&port, &n)
+			return [2]any{port, n}, err
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := map[string]int64{}
+		for _, kv := range m {
+			out["worker:"+kv[0].(string)] = kv[1].(int64)
+		}
+		var local int64
+		if err := pool.QueryRow(ctx, `SELECT coalesce(sum(calls), 0) FROM pg_stat_user_functions WHERE schemaname = 'idem' AND funcname = $1`, fn).Scan(&local); err != nil {
+			t.Fatal(err)
+		}
+		out["coordinator"] = local
+		return out
+	}
+	// Backends flush their statistics when idle, within 10 s.
+	deadline := time.Now().Add(40 * time.Second)
+	for {
+		cur := read()
+		var sum int64
+		for _, n := range cur {
+			sum += n
+		}
+		if sum >= want || time.Now().After(deadline) {
+			return cur
+		}
+		time.Sleep(time.Second)
+	}
+}
+
+func trackFunctions(t *testing.T, pool *pgxpool.Pool) {
+	t.Helper()
+	ctx := context.Background()
+	for _, q := range []string{
+		`SELECT run_command_on_workers('ALTER SYSTEM SET track_functions = ''pl''')`,
+		`SELECT run_command_on_workers('SELECT pg_reload_conf()')`,
+		`SELECT run_command_on_workers('SELECT pg_stat_reset()')`,
+		`ALTER SYSTEM SET track_functions = 'pl'`,
+		`SELECT pg_reload_conf()`,
+		`SELECT pg_stat_reset()`,
+	} {
+		if _, err := pool.Exec(ctx, q); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+	// Citus keeps connections to the workers: new settings reach them
+	// after a reload, at their next transaction.
+	time.Sleep(500 * time.Millisecond)
+}
+
+// TestCitusDelegated: claims through idem's Go API, outside and inside
+// the application's transaction, run on the worker that holds their key,
+// none on the coordinator; every worker runs some.
+func TestCitusDelegated(t *testing.T) {
+	pool := setup(t)
+	trackFunctions(t, pool)
+	ctx := context.Background()
+	c := idem.New(pool, nil)
+	const n = 400
+	for i := range n {
+		key := "k" + strconv.Itoa(i)
+		work := func(context.Context) (any, error) { return key, nil }
+		if i%2 == 0 {
+			if _, err := c.Do(ctx, "c", key, work); err != nil {
+				t.Fatal(err)
+			}
+			continue
+		}
+		if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			_, err := c.WithTx(tx).Do(ctx, "c", key, work)
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	calls := callsByNode(t, pool, "claim", n)
+	t.Logf("idem.claim calls by node: %v", calls)
+	var workers int64
+	for node, k := range calls {
+		if node == "coordinator" {
+			if k != 0 {
+				t.Errorf("the coordinator ran %d claims, want 0", k)
+			}
+			continue
+		}
+		if k == 0 {
+			t.Errorf("%s ran no claim", node)
+		}
+		workers += k
+	}
+	if workers != n {
+		t.Errorf("the workers ran %d claims, want %d", workers, n)
+	}
+	// Completions are not delegated (Do's statement also returns the
+	// stored result): they run as router statements from the coordinator,
+	// which is correct (a completion is a compare-and-set of the key's
+	// token, no lock) but costs a round trip more (docs/citus.md).
+	t.Logf("idem.complete calls by node: %v", callsByNode(t, pool, "complete", n))
+
+	// A claim Citus does not delegate (its key comes from another query)
+	// is refused, never run with a lock the owning node does not see.
+	_, err := pool.Exec(ctx, `SELECT (idem.claim('c', v.k)).outcome FROM (VALUES ('undelegated')) v(k)`)
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != sqlstate.NotDelegated {
+		t.Fatalf("an undelegated claim: %v, want SQLSTATE %s", err, sqlstate.NotDelegated)
+	}
+	var rows int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem.processed_events WHERE key = 'undelegated'`).Scan(&rows); err != nil || rows != 0 {
+		t.Fatalf("%d rows, %v", rows, err)
+	}
+}
+
+// race runs every key's work through Do from clients goroutines, half of
+// them in their own transaction (WithTx), until stop, and returns how many
+// times each key's work ran.
+func race(t *testing.T, pool *pgxpool.Pool, keys []string, clients int, stop <-chan struct{}) map[string]int {
+	t.Helper()
+	ctx := context.Background()
+	c := idem.New(pool, nil)
+	var mu sync.Mutex
+	runs := map[string]int{}
+	var calls atomic.Int64
+	var wg sync.WaitGroup
+	for g := range clients {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			// Every goroutine goes over every key at least once, each
+			// starting at another place.
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					if i >= len(keys) {
+						return
+					}
+				default:
+				}
+				key := keys[(g*len(keys)/clients+i)%len(keys)]
+				work := func(context.Context) (any, error) {
+					mu.Lock()
+					runs[key]++
+					mu.Unlock()
+					return "ran", nil
+				}
+				var err error
+				if g%2 == 0 {
+					_, err = c.Do(ctx, "c", key, work)
+				} else {
+					err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+						_, err := c.WithTx(tx).Do(ctx, "c", key, work)
+						return err
+					})
+				}
+				calls.Add(1)
+				if err != nil && !errors.Is(err, idem.ErrInProgress) && !errors.Is(err, idem.ErrSerialization) {
+					t.Error(err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	t.Logf("%d calls of Do over %d keys", calls.Load(), len(keys))
+	return runs
+}
+
+func keys(prefix string, n int) []string {
+	ks := make([]string, n)
+	for i := range ks {
+		ks[i] = prefix + strconv.Itoa(i)
+	}
+	return ks
+}
+
+// once checks that every key's work ran once and that each key has one
+// completed row.
+func once(t *testing.T, pool *pgxpool.Pool, ks []string, runs map[string]int) {
+	t.Helper()
+	for _, k := range ks {
+		if runs[k] != 1 {
+			t.Errorf("key %s ran %d times, want 1", k, runs[k])
+		}
+	}
+	var bad int
+	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM (
+		SELECT key FROM idem.processed_events WHERE source = 'c' AND key = ANY($1)
+		 GROUP BY key HAVING count(*) <> 1 OR bool_or(status <> 'completed')) x`, ks).Scan(&bad); err != nil {
+		t.Fatal(err)
+	}
+	if bad != 0 {
+		t.Errorf("%d keys without exactly one completed row", bad)
+	}
+}
+
+// TestCitusRace: 16 clients, half in their own transactions (delegated by
+// force_delegation) and half not, race over the same 300 keys: each key's
+// work runs once.
+func TestCitusRace(t *testing.T) {
+	pool := setup(t)
+	ks := keys("r", 300)
+	stop := make(chan struct{})
+	time.AfterFunc(5*time.Second, func() { close(stop) })
+	runs := race(t, pool, ks, 16, stop)
+	once(t, pool, ks, runs)
+}
+
+// TestCitusMonthBoundary: the database's clock (idem.clock(), replaced on
+// every node) crosses into the next month while 16 clients race over the
+// same 1,000 keys: each key runs once and has one row, in one month, and
+// the keys are in both months.
+func TestCitusMonthBoundary(t *testing.T) {
+	pool := setup(t)
+	ctx := context.Background()
+	now := time.Now().UTC()
+	next := time.Date(now.Year(), now.Month()+1, 1, 0, 0, 0, 0, time.UTC)
+	// 300 ms before the next month starts, from now on: the first claims
+	// of the 1,000 keys take longer than that, so they fall on both sides,
+	// and so do their duplicates.
+	offset := next.Add(-300 * time.Millisecond).Sub(now)
+	if _, err := pool.Exec(ctx, fmt.Sprintf(`CREATE OR REPLACE FUNCTION idem.clock() RETURNS timestamptz
+		LANGUAGE sql VOLATILE PARALLEL SAFE
+		AS $$ SELECT pg_catalog.clock_timestamp() + interval '%d milliseconds' $$`, offset.Milliseconds())); err != nil {
+		t.Fatal(err)
+	}
+	ks := keys("m", 1000)
+	stop := make(chan struct{})
+	time.AfterFunc(4*time.Second, func() { close(stop) })
+	runs := race(t, pool, ks, 16, stop)
+	once(t, pool, ks, runs)
+	var months int
+	if err := pool.QueryRow(ctx, `SELECT count(DISTINCT first_seen_month) FROM idem.processed_events WHERE source = 'c'`).Scan(&months); err != nil {
+		t.Fatal(err)
+	}
+	if months != 2 {
+		t.Errorf("the keys are in %d months, want 2 (the race did not cross the boundary)", months)
+	}
+}
+
+// TestCitusMaintenance: prune and rotation run again and again during a
+// race: expired rows go, every live key stays and runs once, rotation
+// creates the months ahead.
+func TestCitusMaintenance(t *testing.T) {
+	pool := setup(t)
+	ctx := context.Background()
+	// 2,000 expired rows in this month, across every shard.
+	if _, err := pool.Exec(ctx, `INSERT INTO idem.processed_events
+		(source, key, first_seen_month, status, attempts, token, first_seen, updated_at, expires_at, completed_at)
+		SELECT 'c', 'old' || g, idem.utc_month(now()), 'completed', 1, g, now() - interval '2 days', now() - interval '2 days',
+		       now() - interval '1 day', now() - interval '2 days'
+		  FROM generate_series(1, 2000) g`); err != nil {
+		t.Fatal(err)
+	}
+	ks := keys("p", 300)
+	stop := make(chan struct{})
+	var pruned atomic.Int64
+	var rotations atomic.Int64
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		batch, sleep := 100, 10*time.Millisecond
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			res, err := prune.Run(ctx, pool, prune.Config{BatchSize: &batch, Sleep: &sleep})
+			if err != nil {
+				t.Error("prune:", err)
+				return
+			}
+			pruned.Add(res.Deleted)
+			premake := 4
+			if _, err := partition.Rotate(ctx, pool, partition.Config{Premake: &premake}); err != nil {
+				t.Error("rotate:", err)
+				return
+			}
+			rotations.Add(1)
+		}
+	}()
+	time.AfterFunc(6*time.Second, func() { close(stop) })
+	runs := race(t, pool, ks, 12, stop)
+	wg.Wait()
+	once(t, pool, ks, runs)
+	t.Logf("pruned %d rows in %d rounds of prune and rotation", pruned.Load(), rotations.Load())
+	var left int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem.processed_events WHERE key LIKE 'old%'`).Scan(&left); err != nil {
+		t.Fatal(err)
+	}
+	if left != 0 || pruned.Load() != 2000 {
+		t.Errorf("%d expired rows left, %d pruned; want 0 and 2000", left, pruned.Load())
+	}
+	parts, err := partition.List(ctx, pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var distributed int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_dist_partition WHERE logicalrelid::text LIKE 'idem.processed_events_p%'`).Scan(&distributed); err != nil {
+		t.Fatal(err)
+	}
+	if distributed < 5 || distributed != len(parts)-1 { // parts has the default partition too
+		t.Errorf("%d months distributed, %d partitions listed; want current + 4 ahead, all distributed", distributed, len(parts))
+	}
+}
