@@ -294,7 +294,8 @@ func once(t *testing.T, pool *pgxpool.Pool, ks []string, runs map[string]int) {
 
 // TestCitusRace: 16 clients, half in their own transactions (delegated by
 // force_delegation) and half not, race over the same 300 keys: each key's
-// work runs once.
+// work runs once; the next prune brings the workers' counts to the
+// coordinator.
 func TestCitusRace(t *testing.T) {
 	pool := setup(t)
 	ks := keys("r", 300)
@@ -302,6 +303,29 @@ func TestCitusRace(t *testing.T) {
 	time.AfterFunc(5*time.Second, func() { close(stop) })
 	runs := race(t, pool, ks, 16, stop)
 	once(t, pool, ks, runs)
+
+	// The counts the workers' claims wrote on their own node reach the
+	// coordinator's tables at the next prune (compaction collects them):
+	// every acquisition (sampling 1 for source c: exact), and as many
+	// duplicates as the workers counted.
+	ctx := context.Background()
+	var onWorkers int64
+	if err := pool.QueryRow(ctx, `SELECT coalesce(sum(nullif(result, '')::bigint), 0) FROM run_command_on_workers(
+		$$SELECT coalesce(sum(duplicates), 0) FROM idem.duplicate_counts WHERE source = 'c'$$)`).Scan(&onWorkers); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := prune.Run(ctx, pool, prune.Config{}); err != nil {
+		t.Fatal(err)
+	}
+	var dups, acquired int64
+	if err := pool.QueryRow(ctx, `SELECT (SELECT coalesce(sum(duplicates), 0) FROM idem.duplicate_counts WHERE source = 'c'),
+		(SELECT coalesce(sum(acquired), 0) FROM idem.activity WHERE source = 'c')`).Scan(&dups, &acquired); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("after prune, the coordinator counts %d duplicates (the workers had %d) and %d acquisitions", dups, onWorkers, acquired)
+	if onWorkers == 0 || dups != onWorkers || acquired != int64(len(ks)) {
+		t.Errorf("collected %d duplicates of the workers' %d, %d acquisitions of %d", dups, onWorkers, acquired, len(ks))
+	}
 }
 
 // TestCitusMonthBoundary: the database's clock (idem.clock(), replaced on
@@ -371,6 +395,9 @@ func TestCitusMaintenance(t *testing.T) {
 				return
 			}
 			pruned.Add(res.Deleted)
+			if res.Deleted > 0 {
+				t.Logf("prune: %d rows in %d batches in %v", res.Deleted, res.Batches, res.Elapsed)
+			}
 			premake := 4
 			if _, err := partition.Rotate(ctx, pool, partition.Config{Premake: &premake}); err != nil {
 				t.Error("rotate:", err)

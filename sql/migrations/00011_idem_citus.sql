@@ -15,6 +15,11 @@
 --   primary key (Citus plans neither ctid lists nor FOR UPDATE there).
 -- * idem.months_to_create, version 11: plpgsql, the default partition's
 --   months read first (Citus could not plan version 4's UNION).
+-- * idem.citus_collect_counts() (Citus only) and
+--   idem.compact_duplicate_counts, version 11: on a distributed
+--   installation, compaction (run by every prune) first moves the
+--   duplicate counts and activity the workers' claims wrote on their own
+--   node into the coordinator's tables, which stats and the dashboard read.
 -- * idem.citus_setup(): distributes idem's tables and functions (see its
 --   comment and docs/citus.md); idempotent, safe to re-run, and re-run by
 --   migrate after every migration on a distributed installation.
@@ -473,6 +478,136 @@ BEGIN
     ) s
     WHERE to_regclass('idem.' || quote_ident(idem.partition_name(m::date))) IS NULL
     ORDER BY 1;
+END
+$$;
+-- +goose StatementEnd
+
+-- +goose StatementBegin
+-- Citus only: moves the counts the workers' claims wrote in their own
+-- idem.duplicate_counts and idem.activity into the coordinator's, as slot
+-- -(the worker's group id), where compaction folds them and stats, the
+-- dashboard and the alerts read them. Each worker's rows are deleted in a
+-- transaction of its own (run_command_on_workers): counts moved while the
+-- coordinator's transaction then fails are lost (statistics, like the
+-- UNLOGGED tables they live in). Returns the rows moved.
+CREATE FUNCTION idem.citus_collect_counts() RETURNS bigint
+    LANGUAGE plpgsql VOLATILE
+    SECURITY DEFINER
+    SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    r   record;
+    v_n bigint := 0;
+    v_m bigint;
+BEGIN
+    FOR r IN SELECT -n.groupid AS slot, w.result::json AS rows
+               FROM run_command_on_workers($q$WITH d AS (DELETE FROM idem.duplicate_counts
+                                                      RETURNING source, duplicates, since, last_seen_at)
+                                             SELECT coalesce(json_agg(d), '[]') FROM d$q$) w
+               JOIN pg_dist_node n ON n.nodename = w.nodename AND n.nodeport = w.nodeport
+              WHERE w.success LOOP
+        INSERT INTO idem.duplicate_counts AS d (source, slot, duplicates, since, last_seen_at)
+        SELECT x.source, r.slot, sum(x.duplicates), min(x.since), max(x.last_seen_at)
+          FROM json_to_recordset(r.rows) AS x(source text, duplicates bigint, since timestamptz, last_seen_at timestamptz)
+         GROUP BY x.source
+        ON CONFLICT (source, slot) DO UPDATE
+           SET duplicates = d.duplicates + EXCLUDED.duplicates,
+               since = least(d.since, EXCLUDED.since),
+               last_seen_at = greatest(d.last_seen_at, EXCLUDED.last_seen_at);
+        GET DIAGNOSTICS v_m = ROW_COUNT;
+        v_n := v_n + v_m;
+    END LOOP;
+    FOR r IN SELECT -n.groupid AS slot, w.result::json AS rows
+               FROM run_command_on_workers($q$WITH d AS (DELETE FROM idem.activity
+                                                      RETURNING minute, source, acquired, duplicates)
+                                             SELECT coalesce(json_agg(d), '[]') FROM d$q$) w
+               JOIN pg_dist_node n ON n.nodename = w.nodename AND n.nodeport = w.nodeport
+              WHERE w.success LOOP
+        INSERT INTO idem.activity AS d (minute, source, slot, acquired, duplicates)
+        SELECT x.minute, x.source, r.slot, sum(x.acquired), sum(x.duplicates)
+          FROM json_to_recordset(r.rows) AS x(minute timestamptz, source text, acquired bigint, duplicates bigint)
+         GROUP BY x.minute, x.source
+        ON CONFLICT (minute, source, slot) DO UPDATE
+           SET acquired = d.acquired + EXCLUDED.acquired, duplicates = d.duplicates + EXCLUDED.duplicates;
+        GET DIAGNOSTICS v_m = ROW_COUNT;
+        v_n := v_n + v_m;
+    END LOOP;
+    RETURN v_n;
+END
+$$;
+-- +goose StatementEnd
+REVOKE ALL ON FUNCTION idem.citus_collect_counts() FROM PUBLIC;
+
+-- +goose StatementBegin
+-- (version 11) On Citus, the workers' counts are collected first.
+CREATE OR REPLACE FUNCTION idem.compact_duplicate_counts() RETURNS bigint
+    LANGUAGE plpgsql VOLATILE
+    SECURITY DEFINER
+    SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_n bigint;
+BEGIN
+    IF idem.distributed() THEN
+        PERFORM idem.citus_collect_counts();
+    END IF;
+    WITH moved AS (
+        DELETE FROM idem.duplicate_counts d
+         WHERE d.slot <> 0
+           AND (d.source, d.slot) IN (SELECT x.source, x.slot FROM idem.duplicate_counts x
+                                       WHERE x.slot <> 0 FOR UPDATE SKIP LOCKED)
+        RETURNING d.*),
+    sums AS (
+        SELECT m.source, sum(m.duplicates) AS duplicates, min(m.since) AS since, max(m.last_seen_at) AS last_seen_at,
+               count(*) AS n
+          FROM moved m GROUP BY m.source),
+    ins AS (
+        INSERT INTO idem.duplicate_counts AS d (source, slot, duplicates, since, last_seen_at)
+        SELECT s.source, 0, s.duplicates, s.since, s.last_seen_at FROM sums s
+        ON CONFLICT (source, slot) DO UPDATE
+           SET duplicates = d.duplicates + EXCLUDED.duplicates,
+               since = least(d.since, EXCLUDED.since),
+               last_seen_at = greatest(d.last_seen_at, EXCLUDED.last_seen_at))
+    SELECT coalesce(sum(n), 0) INTO v_n FROM sums;
+    -- The inbox's counts, the same way (version 7).
+    WITH moved AS (
+        DELETE FROM idem.queue_counts d
+         WHERE d.slot <> 0
+           AND (d.source, d.slot) IN (SELECT x.source, x.slot FROM idem.queue_counts x
+                                       WHERE x.slot <> 0 FOR UPDATE SKIP LOCKED)
+        RETURNING d.*),
+    sums AS (
+        SELECT m.source, sum(m.accepted) AS accepted, sum(m.processed) AS processed, min(m.since) AS since,
+               count(*) AS n
+          FROM moved m GROUP BY m.source),
+    ins AS (
+        INSERT INTO idem.queue_counts AS d (source, slot, accepted, processed, since)
+        SELECT s.source, 0, s.accepted, s.processed, s.since FROM sums s
+        ON CONFLICT (source, slot) DO UPDATE
+           SET accepted = d.accepted + EXCLUDED.accepted,
+               processed = d.processed + EXCLUDED.processed,
+               since = least(d.since, EXCLUDED.since))
+    SELECT v_n + coalesce(sum(n), 0) INTO v_n FROM sums;
+    -- (version 10) idem.activity: the slots of each finished minute folded
+    -- into slot 0, and minutes older than 8 days deleted.
+    DELETE FROM idem.activity a WHERE a.minute < idem.clock() - interval '8 days';
+    WITH moved AS (
+        DELETE FROM idem.activity d
+         WHERE d.slot <> 0 AND d.minute < idem.activity_minute(idem.clock())
+           AND (d.minute, d.source, d.slot) IN (SELECT x.minute, x.source, x.slot FROM idem.activity x
+                                                 WHERE x.slot <> 0 AND x.minute < idem.activity_minute(idem.clock())
+                                                   FOR UPDATE SKIP LOCKED)
+        RETURNING d.*),
+    sums AS (
+        SELECT m.minute, m.source, sum(m.acquired) AS acquired, sum(m.duplicates) AS duplicates, count(*) AS n
+          FROM moved m GROUP BY m.minute, m.source),
+    ins AS (
+        INSERT INTO idem.activity AS d (minute, source, slot, acquired, duplicates)
+        SELECT s.minute, s.source, 0, s.acquired, s.duplicates FROM sums s
+        ON CONFLICT (minute, source, slot) DO UPDATE
+           SET acquired = d.acquired + EXCLUDED.acquired, duplicates = d.duplicates + EXCLUDED.duplicates)
+    SELECT v_n + coalesce(sum(n), 0) INTO v_n FROM sums;
+    RETURN v_n;
 END
 $$;
 -- +goose StatementEnd
@@ -989,6 +1124,78 @@ AS $$
 $$;
 -- +goose StatementEnd
 
+-- +goose StatementBegin
+-- compact_duplicate_counts, version 10.
+CREATE OR REPLACE FUNCTION idem.compact_duplicate_counts() RETURNS bigint
+    LANGUAGE plpgsql VOLATILE
+    SECURITY DEFINER
+    SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_n bigint;
+BEGIN
+    WITH moved AS (
+        DELETE FROM idem.duplicate_counts d
+         WHERE d.slot <> 0
+           AND (d.source, d.slot) IN (SELECT x.source, x.slot FROM idem.duplicate_counts x
+                                       WHERE x.slot <> 0 FOR UPDATE SKIP LOCKED)
+        RETURNING d.*),
+    sums AS (
+        SELECT m.source, sum(m.duplicates) AS duplicates, min(m.since) AS since, max(m.last_seen_at) AS last_seen_at,
+               count(*) AS n
+          FROM moved m GROUP BY m.source),
+    ins AS (
+        INSERT INTO idem.duplicate_counts AS d (source, slot, duplicates, since, last_seen_at)
+        SELECT s.source, 0, s.duplicates, s.since, s.last_seen_at FROM sums s
+        ON CONFLICT (source, slot) DO UPDATE
+           SET duplicates = d.duplicates + EXCLUDED.duplicates,
+               since = least(d.since, EXCLUDED.since),
+               last_seen_at = greatest(d.last_seen_at, EXCLUDED.last_seen_at))
+    SELECT coalesce(sum(n), 0) INTO v_n FROM sums;
+    -- The inbox's counts, the same way (version 7).
+    WITH moved AS (
+        DELETE FROM idem.queue_counts d
+         WHERE d.slot <> 0
+           AND (d.source, d.slot) IN (SELECT x.source, x.slot FROM idem.queue_counts x
+                                       WHERE x.slot <> 0 FOR UPDATE SKIP LOCKED)
+        RETURNING d.*),
+    sums AS (
+        SELECT m.source, sum(m.accepted) AS accepted, sum(m.processed) AS processed, min(m.since) AS since,
+               count(*) AS n
+          FROM moved m GROUP BY m.source),
+    ins AS (
+        INSERT INTO idem.queue_counts AS d (source, slot, accepted, processed, since)
+        SELECT s.source, 0, s.accepted, s.processed, s.since FROM sums s
+        ON CONFLICT (source, slot) DO UPDATE
+           SET accepted = d.accepted + EXCLUDED.accepted,
+               processed = d.processed + EXCLUDED.processed,
+               since = least(d.since, EXCLUDED.since))
+    SELECT v_n + coalesce(sum(n), 0) INTO v_n FROM sums;
+    -- (version 10) idem.activity: the slots of each finished minute folded
+    -- into slot 0, and minutes older than 8 days deleted.
+    DELETE FROM idem.activity a WHERE a.minute < idem.clock() - interval '8 days';
+    WITH moved AS (
+        DELETE FROM idem.activity d
+         WHERE d.slot <> 0 AND d.minute < idem.activity_minute(idem.clock())
+           AND (d.minute, d.source, d.slot) IN (SELECT x.minute, x.source, x.slot FROM idem.activity x
+                                                 WHERE x.slot <> 0 AND x.minute < idem.activity_minute(idem.clock())
+                                                   FOR UPDATE SKIP LOCKED)
+        RETURNING d.*),
+    sums AS (
+        SELECT m.minute, m.source, sum(m.acquired) AS acquired, sum(m.duplicates) AS duplicates, count(*) AS n
+          FROM moved m GROUP BY m.minute, m.source),
+    ins AS (
+        INSERT INTO idem.activity AS d (minute, source, slot, acquired, duplicates)
+        SELECT s.minute, s.source, 0, s.acquired, s.duplicates FROM sums s
+        ON CONFLICT (minute, source, slot) DO UPDATE
+           SET acquired = d.acquired + EXCLUDED.acquired, duplicates = d.duplicates + EXCLUDED.duplicates)
+    SELECT v_n + coalesce(sum(n), 0) INTO v_n FROM sums;
+    RETURN v_n;
+END
+$$;
+-- +goose StatementEnd
+
+DROP FUNCTION idem.citus_collect_counts();
 DROP FUNCTION idem.citus_setup();
 DROP FUNCTION idem.key_is_local(text);
 DROP FUNCTION idem.distributed();
