@@ -10,7 +10,7 @@ import (
 // TestUpgradeTo11: from version 10 holding data (completed keys, a key in
 // progress, expired rows) with app and maintainer roles, the upgrade to 11
 // keeps every answer on a single node (not distributed: claim's Citus
-// check is off); the maintainer prunes (version 11's prune_batch, its
+// check is off); the app role completes with complete_stored; the maintainer prunes (version 11's prune_batch, its
 // single-node path) and rotates (months_to_create in plpgsql); Citus'
 // setup refuses without Citus, naming what to do; down to 10 and up again.
 func TestUpgradeTo11(t *testing.T) {
@@ -20,7 +20,7 @@ func TestUpgradeTo11(t *testing.T) {
 	if _, err := p.UpTo(ctx, 10); err != nil {
 		t.Fatal(err)
 	}
-	_, maint := appAndMaintainer(t, db, "idem_up11")
+	app, maint := appAndMaintainer(t, db, "idem_up11")
 	seedCompleted(t, db)
 	if _, err := db.ExecContext(ctx, `SELECT idem.claim('up', 'running', lease => '1 hour');
 		INSERT INTO idem.processed_events (source, key, first_seen_month, status, attempts, token, first_seen, updated_at, expires_at, completed_at)
@@ -54,7 +54,21 @@ func TestUpgradeTo11(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Close()
-	if _, err := conn.ExecContext(ctx, `SET ROLE `+maint); err != nil {
+	// The application's role, granted at 10, completes the way Do does at
+	// 11 (complete_stored, granted by the upgrade).
+	if _, err := conn.ExecContext(ctx, `SET ROLE `+app); err != nil {
+		t.Fatal(err)
+	}
+	var token int64
+	if err := conn.QueryRowContext(ctx, `SELECT token FROM idem.claim('up', 'app-at-11')`).Scan(&token); err != nil {
+		t.Fatal(err)
+	}
+	var outcome, stored string
+	if err := conn.QueryRowContext(ctx, `SELECT c.outcome, c.stored FROM idem.complete_stored('up', 'app-at-11', $1, '{"b": 1,  "a": 2}') c`,
+		token).Scan(&outcome, &stored); err != nil || outcome != "completed" || stored != `{"a": 2, "b": 1}` {
+		t.Fatalf("complete_stored as the app role: %q %q %v", outcome, stored, err)
+	}
+	if _, err := conn.ExecContext(ctx, `RESET ROLE; SET ROLE `+maint); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := conn.ExecContext(ctx, `CALL idem.prune()`); err != nil {

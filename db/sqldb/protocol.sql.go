@@ -126,9 +126,10 @@ func (q *Queries) Complete(ctx context.Context, arg CompleteParams) (string, err
 }
 
 const completeStored = `-- name: CompleteStored :one
-SELECT idem.complete($1::text, $2::text, $3::bigint, r.result)::text AS outcome,
-       r.result::text                                                                               AS stored
-  FROM (SELECT $4::text::jsonb AS result OFFSET 0) r
+SELECT c.outcome::text AS outcome,
+       c.stored::text  AS stored
+  FROM idem.complete_stored($1::text, $2::text, $3::bigint,
+                            $4::text::jsonb) AS c
 `
 
 type CompleteStoredParams struct {
@@ -145,8 +146,8 @@ type CompleteStoredRow struct {
 
 // Complete, returning the result as stored (jsonb's text form: normalized
 // white space and key order): what every later claim of the key returns, so
-// Do gives its first caller the same bytes as its duplicates. OFFSET 0 keeps
-// the result parsed once.
+// Do gives its first caller the same bytes as its duplicates (migration 11:
+// one function in FROM, which Citus delegates to the key's node).
 func (q *Queries) CompleteStored(ctx context.Context, arg CompleteStoredParams) (CompleteStoredRow, error) {
 	row := q.db.QueryRowContext(ctx, completeStored,
 		arg.Source,

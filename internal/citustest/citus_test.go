@@ -191,11 +191,19 @@ func TestCitusDelegated(t *testing.T) {
 	if workers != n {
 		t.Errorf("the workers ran %d claims, want %d", workers, n)
 	}
-	// Completions are not delegated (Do's statement also returns the
-	// stored result): they run as router statements from the coordinator,
-	// which is correct (a completion is a compare-and-set of the key's
-	// token, no lock) but costs a round trip more (docs/citus.md).
-	t.Logf("idem.complete calls by node: %v", callsByNode(t, pool, "complete", n))
+	// Do's completion (idem.complete_stored, which calls idem.complete
+	// there) runs on the key's worker too.
+	completes := callsByNode(t, pool, "complete_stored", n)
+	t.Logf("idem.complete_stored calls by node: %v", completes)
+	var onWorkers int64
+	for node, k := range completes {
+		if node != "coordinator" {
+			onWorkers += k
+		}
+	}
+	if completes["coordinator"] != 0 || onWorkers != n {
+		t.Errorf("completions by node %v: want all %d on the workers", completes, n)
+	}
 
 	// A claim Citus does not delegate (its key comes from another query)
 	// is refused, never run with a lock the owning node does not see.

@@ -11,6 +11,9 @@
 --   delegated: its per-key advisory lock would not exclude the owning
 --   node's claims) is refused with SQLSTATE ID005. Elsewhere one
 --   current_setting more per claim.
+-- * idem.complete_stored: complete returning the stored result, called as
+--   one function (Do's completion; Citus can delegate it); grant_app,
+--   version 11, grants it, and roles granted before get it.
 -- * idem.prune_batch, version 11: on a distributed table, batches by
 --   primary key (Citus plans neither ctid lists nor FOR UPDATE there).
 -- * idem.months_to_create, version 11: plpgsql, the default partition's
@@ -388,6 +391,79 @@ $$;
 -- +goose StatementEnd
 
 -- +goose StatementBegin
+-- Completes the key as idem.complete does and returns the result as stored
+-- (jsonb's text form), which Do gives its first caller so that it has the
+-- bytes every duplicate gets. One call of a function in FROM: the form
+-- Citus delegates to the key's node (version 10's query completed from a
+-- subquery, which Citus ran on the coordinator).
+CREATE FUNCTION idem.complete_stored(source text, key text, token bigint, result jsonb,
+                                     OUT outcome text, OUT stored text)
+    LANGUAGE plpgsql VOLATILE
+    SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    outcome := idem.complete(complete_stored.source, complete_stored.key, complete_stored.token, complete_stored.result);
+    stored := complete_stored.result::text;
+END
+$$;
+-- +goose StatementEnd
+REVOKE ALL ON FUNCTION idem.complete_stored(text, text, bigint, jsonb) FROM PUBLIC;
+
+-- +goose StatementBegin
+-- grant_app, version 11: complete_stored too.
+CREATE OR REPLACE FUNCTION idem.grant_app(role regrole) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+    SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF role IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'idem.grant_app: role must not be NULL';
+    END IF;
+    EXECUTE format('GRANT USAGE ON SCHEMA idem TO %s', role);
+    EXECUTE format('GRANT EXECUTE ON FUNCTION
+        idem.claim(text, text, text, interval, interval, text, interval),
+        idem.complete(text, text, bigint, jsonb),
+        idem.complete_stored(text, text, bigint, jsonb),
+        idem.complete_unstored(text, text, bigint, text),
+        idem.fail(text, text, bigint, text, boolean),
+        idem.extend(text, text, bigint, interval),
+        idem.queue_hold(text, text, bigint, bigint),
+        idem.queue_take(text, text, bigint, bigint, interval),
+        idem.queue_complete(text, text, bigint, bigint, jsonb, text),
+        idem.queue_fail(text, text, bigint, bigint, text, boolean),
+        idem.queue_repair(text, text, bigint, bigint, bigint, text),
+        idem.queue_replay(text, text, bigint, interval),
+        idem.queue_forget(text, text, bigint),
+        idem.wait_begin(text, text, interval),
+        idem.wait_end(bigint),
+        idem.peek(text, text) TO %s', role);
+    -- The inbox's reconciliation and dead letters (keys and errors, no
+    -- results, no payloads).
+    EXECUTE format('GRANT SELECT ON idem.holds, idem.queue_counts TO %s', role);
+    -- The schema's version, for a program to tell it is behind.
+    IF to_regclass('idem.goose_db_version') IS NOT NULL THEN
+        EXECUTE format('GRANT SELECT ON idem.goose_db_version TO %s', role);
+    END IF;
+END
+$$;
+-- +goose StatementEnd
+
+-- +goose StatementBegin
+-- Roles granted before get complete_stored.
+DO $$
+DECLARE r record;
+BEGIN
+    FOR r IN SELECT a.grantee::regrole::text AS role
+               FROM pg_catalog.pg_proc p, pg_catalog.aclexplode(p.proacl) a
+              WHERE p.oid = 'idem.complete(text, text, bigint, jsonb)'::regprocedure
+                AND a.privilege_type = 'EXECUTE' AND a.grantee <> 0 AND a.grantee <> p.proowner LOOP
+        PERFORM idem.grant_app(r.role::regrole);
+    END LOOP;
+END
+$$;
+-- +goose StatementEnd
+
+-- +goose StatementBegin
 CREATE OR REPLACE FUNCTION idem.prune_batch(holder text, batch_size integer DEFAULT 5000)
 RETURNS bigint
     LANGUAGE plpgsql VOLATILE
@@ -710,7 +786,7 @@ BEGIN
     FOR v_fn IN SELECT p.oid::regprocedure FROM pg_proc p
                  WHERE p.pronamespace = 'idem'::regnamespace AND p.prokind = 'f'
                  ORDER BY p.oid LOOP
-        IF v_fn::text ~ '^idem\.(claim|complete|complete_unstored|fail|extend|peek)\(' THEN
+        IF v_fn::text ~ '^idem\.(claim|complete|complete_stored|complete_unstored|fail|extend|peek)\(' THEN
             EXECUTE format('ALTER FUNCTION %s SET plan_cache_mode = force_custom_plan', v_fn);
             IF v_fn::text ~ '^idem\.claim\(' THEN
                 EXECUTE format('ALTER FUNCTION %s SET idem.citus = on', v_fn);
@@ -1195,6 +1271,45 @@ END
 $$;
 -- +goose StatementEnd
 
+-- +goose StatementBegin
+-- grant_app, version 8.
+CREATE OR REPLACE FUNCTION idem.grant_app(role regrole) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+    SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF role IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'idem.grant_app: role must not be NULL';
+    END IF;
+    EXECUTE format('GRANT USAGE ON SCHEMA idem TO %s', role);
+    EXECUTE format('GRANT EXECUTE ON FUNCTION
+        idem.claim(text, text, text, interval, interval, text, interval),
+        idem.complete(text, text, bigint, jsonb),
+        idem.complete_unstored(text, text, bigint, text),
+        idem.fail(text, text, bigint, text, boolean),
+        idem.extend(text, text, bigint, interval),
+        idem.queue_hold(text, text, bigint, bigint),
+        idem.queue_take(text, text, bigint, bigint, interval),
+        idem.queue_complete(text, text, bigint, bigint, jsonb, text),
+        idem.queue_fail(text, text, bigint, bigint, text, boolean),
+        idem.queue_repair(text, text, bigint, bigint, bigint, text),
+        idem.queue_replay(text, text, bigint, interval),
+        idem.queue_forget(text, text, bigint),
+        idem.wait_begin(text, text, interval),
+        idem.wait_end(bigint),
+        idem.peek(text, text) TO %s', role);
+    -- The inbox's reconciliation and dead letters (keys and errors, no
+    -- results, no payloads).
+    EXECUTE format('GRANT SELECT ON idem.holds, idem.queue_counts TO %s', role);
+    -- The schema's version, for a program to tell it is behind.
+    IF to_regclass('idem.goose_db_version') IS NOT NULL THEN
+        EXECUTE format('GRANT SELECT ON idem.goose_db_version TO %s', role);
+    END IF;
+END
+$$;
+-- +goose StatementEnd
+
+DROP FUNCTION idem.complete_stored(text, text, bigint, jsonb);
 DROP FUNCTION idem.citus_collect_counts();
 DROP FUNCTION idem.citus_setup();
 DROP FUNCTION idem.key_is_local(text);

@@ -30,11 +30,12 @@ SELECT idem.complete(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.arg(token
 -- name: CompleteStored :one
 -- Complete, returning the result as stored (jsonb's text form: normalized
 -- white space and key order): what every later claim of the key returns, so
--- Do gives its first caller the same bytes as its duplicates. OFFSET 0 keeps
--- the result parsed once.
-SELECT idem.complete(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.arg(token)::bigint, r.result)::text AS outcome,
-       r.result::text                                                                               AS stored
-  FROM (SELECT sqlc.arg(result)::text::jsonb AS result OFFSET 0) r;
+-- Do gives its first caller the same bytes as its duplicates (migration 11:
+-- one function in FROM, which Citus delegates to the key's node).
+SELECT c.outcome::text AS outcome,
+       c.stored::text  AS stored
+  FROM idem.complete_stored(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.arg(token)::bigint,
+                            sqlc.arg(result)::text::jsonb) AS c;
 
 -- name: CompleteUnstored :one
 SELECT idem.complete_unstored(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.arg(token)::bigint,
