@@ -148,9 +148,10 @@ func trackFunctions(t *testing.T, pool *pgxpool.Pool) {
 	time.Sleep(500 * time.Millisecond)
 }
 
-// TestCitusDelegated: claims through idem's Go API, outside and inside
-// the application's transaction, run on the worker that holds their key,
-// none on the coordinator; every worker runs some.
+// TestCitusDelegated: claims and completions through idem's Go API,
+// outside and inside the application's transaction, and the failures of
+// failed work, run on the worker that holds their key, none on the
+// coordinator; every worker runs some.
 func TestCitusDelegated(t *testing.T) {
 	pool := setup(t)
 	trackFunctions(t, pool)
@@ -203,6 +204,20 @@ func TestCitusDelegated(t *testing.T) {
 	}
 	if completes["coordinator"] != 0 || onWorkers != n {
 		t.Errorf("completions by node %v: want all %d on the workers", completes, n)
+	}
+
+	// A failed Do records its failure (idem.fail) on the key's worker too.
+	const failing = 20
+	for i := range failing {
+		_, err := c.Do(ctx, "c", "fails"+strconv.Itoa(i), func(context.Context) (any, error) { return nil, errors.New("boom") })
+		if err == nil {
+			t.Fatal("a failing Do returned no error")
+		}
+	}
+	fails := callsByNode(t, pool, "fail", failing)
+	t.Logf("idem.fail calls by node: %v", fails)
+	if fails["coordinator"] != 0 {
+		t.Errorf("the coordinator ran %d failures, want 0", fails["coordinator"])
 	}
 
 	// A claim Citus does not delegate (its key comes from another query)
