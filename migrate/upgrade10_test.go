@@ -23,18 +23,10 @@ func TestUpgradeTo10(t *testing.T) {
 	if _, err := db.ExecContext(ctx, `SELECT idem.claim('up', 'running', lease => '1 hour')`); err != nil {
 		t.Fatal(err)
 	}
-	answers := func(stage string) {
-		t.Helper()
-		completedAnswered(t, db, stage)
-		var running string
-		if err := db.QueryRowContext(ctx, `SELECT outcome FROM idem.claim('up', 'running')`).Scan(&running); err != nil || running != "in_progress" {
-			t.Fatalf("%s: the key in progress answered %q (%v)", stage, running, err)
-		}
-	}
 	if _, err := p.Up(ctx); err != nil {
 		t.Fatal(err)
 	}
-	answers("after the upgrade to 10")
+	seededAnswered(t, db, "after the upgrade to 10")
 
 	if _, err := db.ExecContext(ctx, `
 		INSERT INTO idem.policies (source, ttl, lease, duplicate_sampling) VALUES ('act', '1 day', '1 minute', 1);
@@ -85,7 +77,7 @@ func TestUpgradeTo10(t *testing.T) {
 	if _, err := p.DownTo(ctx, 9); err != nil {
 		t.Fatal(err)
 	}
-	answers("down to 9")
+	seededAnswered(t, db, "down to 9")
 	var gone bool
 	if err := db.QueryRowContext(ctx, `SELECT to_regclass('idem.activity') IS NULL AND to_regclass('idem.runs') IS NULL
 		AND to_regclass('idem.source_snapshots') IS NULL AND to_regprocedure('idem.count_activity(text, timestamptz, integer, integer)') IS NULL`).Scan(&gone); err != nil || !gone {
@@ -97,5 +89,5 @@ func TestUpgradeTo10(t *testing.T) {
 	if _, err := p.Up(ctx); err != nil {
 		t.Fatal(err)
 	}
-	answers("up to 10 again")
+	seededAnswered(t, db, "up to 10 again")
 }

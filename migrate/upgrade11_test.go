@@ -29,18 +29,10 @@ func TestUpgradeTo11(t *testing.T) {
 		  FROM generate_series(1, 50) g`); err != nil {
 		t.Fatal(err)
 	}
-	answers := func(stage string) {
-		t.Helper()
-		completedAnswered(t, db, stage)
-		var running string
-		if err := db.QueryRowContext(ctx, `SELECT outcome FROM idem.claim('up', 'running')`).Scan(&running); err != nil || running != "in_progress" {
-			t.Fatalf("%s: the key in progress answered %q (%v)", stage, running, err)
-		}
-	}
 	if _, err := p.Up(ctx); err != nil {
 		t.Fatal(err)
 	}
-	answers("after the upgrade to 11")
+	seededAnswered(t, db, "after the upgrade to 11")
 	if d, err := migrate.Distributed(ctx, db); err != nil || d {
 		t.Fatalf("Distributed on a single node: %v %v", d, err)
 	}
@@ -94,7 +86,7 @@ func TestUpgradeTo11(t *testing.T) {
 	if _, err := p.DownTo(ctx, 10); err != nil {
 		t.Fatal(err)
 	}
-	answers("down to 10")
+	seededAnswered(t, db, "down to 10")
 	var gone bool
 	if err := db.QueryRowContext(ctx, `SELECT to_regprocedure('idem.citus_setup()') IS NULL AND to_regprocedure('idem.distributed()') IS NULL
 		AND (SELECT l.lanname = 'sql' FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang WHERE p.oid = 'idem.months_to_create(integer)'::regprocedure)`).Scan(&gone); err != nil || !gone {
@@ -103,5 +95,5 @@ func TestUpgradeTo11(t *testing.T) {
 	if _, err := p.Up(ctx); err != nil {
 		t.Fatal(err)
 	}
-	answers("up to 11 again")
+	seededAnswered(t, db, "up to 11 again")
 }

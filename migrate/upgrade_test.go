@@ -414,6 +414,18 @@ func seedCompleted(t *testing.T, db *sql.DB) {
 	}
 }
 
+// seededAnswered checks what seedCompleted and a claim of ('up',
+// 'running') with a long lease left behind: the 100 completed keys answer
+// with their results, and the key in progress answers in_progress.
+func seededAnswered(t *testing.T, db *sql.DB, stage string) {
+	t.Helper()
+	completedAnswered(t, db, stage)
+	var running string
+	if err := db.QueryRowContext(context.Background(), `SELECT outcome FROM idem.claim('up', 'running')`).Scan(&running); err != nil || running != "in_progress" {
+		t.Fatalf("%s: the key in progress answered %q (%v)", stage, running, err)
+	}
+}
+
 func completedAnswered(t *testing.T, db *sql.DB, stage string) {
 	t.Helper()
 	var n int
