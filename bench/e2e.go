@@ -120,18 +120,22 @@ func benchE2EOn(ctx context.Context, s server, o options, t *v2table) error {
 			}
 			for _, md := range []mode{{"autocommit", false}, {"in the caller's transaction", true}} {
 				for _, dup := range []bool{false, true} {
-					do := func(ctx context.Context, _ int, _ int64) error {
-						key := keyOf(dup)
-						fn := func(context.Context) (any, error) { doWork(); return result, nil }
-						if !md.tx {
-							_, err := c.Do(ctx, "e2e", key, fn)
-							return err
+					// doWith is the whole Do through c, in this mode.
+					doWith := func(c *idem.Client) func(ctx context.Context, _ int, _ int64) error {
+						return func(ctx context.Context, _ int, _ int64) error {
+							key := keyOf(dup)
+							fn := func(context.Context) (any, error) { doWork(); return result, nil }
+							if !md.tx {
+								_, err := c.Do(ctx, "e2e", key, fn)
+								return err
+							}
+							return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+								_, err := c.WithTx(tx).Do(ctx, "e2e", key, fn)
+								return err
+							})
 						}
-						return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-							_, err := c.WithTx(tx).Do(ctx, "e2e", key, fn)
-							return err
-						})
 					}
+					do := doWith(c)
 					hand := func(ctx context.Context, _ int, _ int64) error {
 						key := keyOf(dup)
 						if !md.tx {
@@ -167,19 +171,7 @@ func benchE2EOn(ctx context.Context, s server, o options, t *v2table) error {
 						continue
 					}
 					if dup {
-						doCached := func(ctx context.Context, _ int, _ int64) error {
-							key := keyOf(true)
-							fn := func(context.Context) (any, error) { return result, nil }
-							if !md.tx {
-								_, err := cached.Do(ctx, "e2e", key, fn)
-								return err
-							}
-							return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-								_, err := cached.WithTx(tx).Do(ctx, "e2e", key, fn)
-								return err
-							})
-						}
-						cmp, err := interleave(ctx, o.rounds, clients, o.duration, doCached, hand)
+						cmp, err := interleave(ctx, o.rounds, clients, o.duration, doWith(cached), hand)
 						if err != nil {
 							return err
 						}
