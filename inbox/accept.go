@@ -45,6 +45,9 @@ func (in *Inbox) Accept(ctx context.Context, d *Delivery) (Acceptance, error) {
 // fingerprint is idem.ErrMismatch. Answer the sender 2xx only after tx
 // commits.
 func (in *Inbox) AcceptTx(ctx context.Context, tx pgx.Tx, d *Delivery) (Acceptance, error) {
+	if err := in.refuseCitus(ctx); err != nil {
+		return Acceptance{}, err
+	}
 	if d.GuardSource != "" {
 		// The replay guard: the signed body, claimed for this key.
 		g, err := in.idem.WithTx(tx).Claim(ctx, d.GuardSource, d.GuardKey, in.claimOptions(d.Key, "", d.TTL)...)

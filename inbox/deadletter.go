@@ -146,6 +146,9 @@ type ReplayResult struct {
 // the same payload replaces the dead one, in one transaction. An event
 // whose key is already completed is not run again.
 func (in *Inbox) Replay(ctx context.Context, f Filter) ([]ReplayResult, error) {
+	if err := in.refuseCitus(ctx); err != nil {
+		return nil, err
+	}
 	dead, err := in.DeadLetters(ctx, f)
 	if err != nil {
 		return nil, err

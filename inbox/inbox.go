@@ -155,6 +155,8 @@ type Inbox struct {
 
 	mu     sync.RWMutex
 	routes map[string]Handler // per-source handlers (Handle, HTTP)
+
+	citus citusState // refuseCitus
 }
 
 // New validates cfg and returns an Inbox; it does not touch the database.

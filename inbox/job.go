@@ -80,6 +80,9 @@ func (w *worker) Work(ctx context.Context, job *river.Job[Job]) error {
 	in, a := w.in, job.Args
 	log := in.cfg.Logger.With(slog.String("source", a.Source), slog.String("key", a.Key), slog.Int64("job", job.ID), slog.Int("attempt", job.Attempt))
 
+	if err := in.refuseCitus(ctx); err != nil {
+		return err
+	}
 	lease := in.lease(a)
 	sent := time.Now()
 	tk, err := pgxdb.New(in.cfg.Pool).QueueTake(ctx, pgxdb.QueueTakeParams{Source: a.Source, Key: a.Key,
