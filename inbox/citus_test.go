@@ -1,0 +1,76 @@
+package inbox_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"os"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/migrate"
+)
+
+// TestCitusRefused is part of the opt-in Citus suite (docs/citus.md): it
+// runs when IDEM_TEST_CITUS_URL names a database on a Citus coordinator
+// whose workers are added, and says it did not run, and why, otherwise.
+// On a distributed idem the inbox refuses to accept and to replay with
+// ErrCitus and writes nothing: no job, no hold, no key.
+func TestCitusRefused(t *testing.T) {
+	url := os.Getenv("IDEM_TEST_CITUS_URL")
+	if url == "" {
+		t.Skip("IDEM_TEST_CITUS_URL is not set: the Citus suite did not run. It needs a Citus coordinator with workers; docs/citus.md says how to start one and run it.")
+	}
+	ctx := context.Background()
+	db, err := sql.Open("pgx", url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	for _, q := range []string{
+		`DROP SCHEMA IF EXISTS idem CASCADE`,
+		`SELECT run_command_on_workers('DROP SCHEMA IF EXISTS idem CASCADE')`,
+	} {
+		if _, err := db.ExecContext(ctx, q); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+	if _, err := migrate.Up(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := migrate.Citus(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	if _, err := inbox.Migrate(ctx, pool, ""); err != nil {
+		t.Fatal(err)
+	}
+	in, err := inbox.New(inbox.Config{Pool: pool, Handler: func(ctx context.Context, tx pgx.Tx, d *inbox.Delivery) (any, error) {
+		t.Error("a handler ran on Citus")
+		return nil, nil
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := in.Accept(ctx, &inbox.Delivery{Source: "shop", Key: "citus-1", Payload: []byte(`{}`)}); !errors.Is(err, inbox.ErrCitus) {
+		t.Fatalf("Accept on Citus: %v, want ErrCitus", err)
+	}
+	if _, err := in.Replay(ctx, inbox.Filter{Source: "shop"}); !errors.Is(err, inbox.ErrCitus) {
+		t.Fatalf("Replay on Citus: %v, want ErrCitus", err)
+	}
+	var jobs, holds, keys int
+	if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM river_job WHERE kind = $1 AND args->>'key' = 'citus-1'),
+		(SELECT count(*) FROM idem.holds), (SELECT count(*) FROM idem.processed_events WHERE key = 'citus-1')`, inbox.Kind).Scan(&jobs, &holds, &keys); err != nil {
+		t.Fatal(err)
+	}
+	if jobs+holds+keys != 0 {
+		t.Fatalf("after the refused accept: %d jobs, %d holds, %d keys; want none", jobs, holds, keys)
+	}
+}
