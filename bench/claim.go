@@ -147,35 +147,8 @@ func benchClaimOn(ctx context.Context, s server, o options, t *v2table) error {
 		}
 		dbs[d.name] = u
 	}
-	bin := "pgbench" // from PATH when the server's binaries are unknown
-	if s.binDir != "" {
-		bin = filepath.Join(s.binDir, "pgbench")
-	}
-	secs := max(1, int(o.duration.Seconds()))
-	script := func(name string) string { return "bench/pgbench/" + name }
 	cmp := func(metric, target, sa, da, sb, db string, clients int) error {
-		var as, bs, rs []float64
-		for r := range o.rounds {
-			var x, y float64
-			var err error
-			run := func(first bool) error {
-				if first {
-					x, err = pgbenchTPS(ctx, bin, dbs[da], script(sa), clients, secs)
-				} else {
-					y, err = pgbenchTPS(ctx, bin, dbs[db], script(sb), clients, secs)
-				}
-				return err
-			}
-			if err := run(r%2 == 0); err != nil {
-				return err
-			}
-			if err := run(r%2 == 1); err != nil {
-				return err
-			}
-			as, bs, rs = append(as, x), append(bs, y), append(rs, x/y)
-		}
-		t.row(metric, target).cells[s.name] = cell{a: median(as), b: median(bs), ratio: median(rs), spread: spread(rs), unit: "tps"}
-		return nil
+		return pgbenchRow(ctx, s, o, t, metric, target, sa, dbs[da], sb, dbs[db], clients)
 	}
 	for _, c := range []struct {
 		metric, target, sa, da, sb, db string
@@ -206,6 +179,39 @@ func benchClaimOn(ctx context.Context, s server, o options, t *v2table) error {
 		}
 	}
 	return rotationP99(ctx, s, dbs["idem_bench_v2_rot"], o, t)
+}
+
+// pgbenchRow puts into t the median of o.rounds interleaved rounds of
+// pgbench script sa on database ua against script sb on ub (scripts in
+// bench/pgbench), clients clients, on server s.
+func pgbenchRow(ctx context.Context, s server, o options, t *v2table, metric, target, sa, ua, sb, ub string, clients int) error {
+	bin := "pgbench" // from PATH when the server's binaries are unknown
+	if s.binDir != "" {
+		bin = filepath.Join(s.binDir, "pgbench")
+	}
+	secs := max(1, int(o.duration.Seconds()))
+	var as, bs, rs []float64
+	for r := range o.rounds {
+		var x, y float64
+		var err error
+		run := func(first bool) error {
+			if first {
+				x, err = pgbenchTPS(ctx, bin, ua, "bench/pgbench/"+sa, clients, secs)
+			} else {
+				y, err = pgbenchTPS(ctx, bin, ub, "bench/pgbench/"+sb, clients, secs)
+			}
+			return err
+		}
+		if err := run(r%2 == 0); err != nil {
+			return err
+		}
+		if err := run(r%2 == 1); err != nil {
+			return err
+		}
+		as, bs, rs = append(as, x), append(bs, y), append(rs, x/y)
+	}
+	t.row(metric, target).cells[s.name] = cell{a: median(as), b: median(bs), ratio: median(rs), spread: spread(rs), unit: "tps"}
+	return nil
 }
 
 // rotationP99: claim p99 while rotation retires four months full of expired

@@ -198,6 +198,22 @@ func benchE2EOn(ctx context.Context, s server, o options, t *v2table) error {
 			}
 		}
 	}
+	// The SQL-level gap in the same table and run: the claim alone through
+	// pgbench (simple protocol: parsed and planned at every call, unlike
+	// the Go API's prepared statements) against the raw statements.
+	for _, r := range []struct {
+		metric, sa, sb string
+		clients        int
+	}{
+		{"SQL level (pgbench): idem.claim of new keys vs raw INSERT .. ON CONFLICT DO NOTHING (plain table), %d clients", "claim_new.sql", "raw_insert.sql", 8},
+		{"SQL level (pgbench): idem.claim of new keys vs raw INSERT .. ON CONFLICT DO NOTHING (plain table), %d clients", "claim_new.sql", "raw_insert.sql", 32},
+		{"SQL level (pgbench): idem.claim of duplicates vs the raw conflict path, %d clients", "claim_dup.sql", "raw_dup.sql", 8},
+		{"SQL level (pgbench): idem.claim of duplicates vs the raw conflict path, %d clients", "claim_dup.sql", "raw_dup.sql", 32},
+	} {
+		if err := pgbenchRow(ctx, s, o, t, fmt.Sprintf(r.metric, r.clients), "information", r.sa, u, r.sb, u, r.clients); err != nil {
+			return err
+		}
+	}
 	return nil
 }
 
