@@ -45,7 +45,7 @@ func (in *Inbox) Accept(ctx context.Context, d *Delivery) (Acceptance, error) {
 // fingerprint is idem.ErrMismatch. Answer the sender 2xx only after tx
 // commits.
 func (in *Inbox) AcceptTx(ctx context.Context, tx pgx.Tx, d *Delivery) (Acceptance, error) {
-	if err := in.refuseCitus(ctx); err != nil {
+	if err := in.refuseCitus(ctx, tx); err != nil {
 		return Acceptance{}, err
 	}
 	if d.GuardSource != "" {

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"sync/atomic"
+
+	"github.com/jackc/pgx/v5"
 )
 
 // ErrCitus: idem is distributed (Citus, idemctl migrate up --citus) and
@@ -17,10 +19,18 @@ var ErrCitus = errors.New("inbox: idem is distributed (Citus), where the inbox d
 // database: 0 not asked yet (or the question failed), 1 no, 2 yes.
 type citusState struct{ v atomic.Int32 }
 
+// querier is what refuseCitus asks through: the pool, or the caller's
+// transaction (AcceptTx: a second connection from a pool the caller's
+// transaction may have exhausted could not be had).
+type querier interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
 // refuseCitus returns ErrCitus on a distributed installation. It asks the
-// database once (idem.distributed(), migration 11; before 11 idem cannot
-// be distributed), and again after a failed question.
-func (in *Inbox) refuseCitus(ctx context.Context) error {
+// database through q once (idem.distributed(), migration 11, which the
+// application's and maintainer's roles may ask since migration 12; before
+// 11 idem cannot be distributed), and again after a failed question.
+func (in *Inbox) refuseCitus(ctx context.Context, q querier) error {
 	switch in.citus.v.Load() {
 	case 1:
 		return nil
@@ -28,9 +38,9 @@ func (in *Inbox) refuseCitus(ctx context.Context) error {
 		return ErrCitus
 	}
 	var exists, distributed bool
-	err := in.cfg.Pool.QueryRow(ctx, `SELECT to_regprocedure('idem.distributed()') IS NOT NULL`).Scan(&exists)
+	err := q.QueryRow(ctx, `SELECT to_regprocedure('idem.distributed()') IS NOT NULL`).Scan(&exists)
 	if err == nil && exists {
-		err = in.cfg.Pool.QueryRow(ctx, `SELECT idem.distributed()`).Scan(&distributed)
+		err = q.QueryRow(ctx, `SELECT idem.distributed()`).Scan(&distributed)
 	}
 	if err != nil {
 		return fmt.Errorf("inbox: ask whether idem is distributed: %w", err)

@@ -6,11 +6,13 @@ import (
 	"errors"
 	"os"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/testdb"
 	"github.com/idemkit/idem/migrate"
 )
 
@@ -72,5 +74,36 @@ func TestCitusRefused(t *testing.T) {
 	}
 	if jobs+holds+keys != 0 {
 		t.Fatalf("after the refused accept: %d jobs, %d holds, %d keys; want none", jobs, holds, keys)
+	}
+}
+
+// TestAcceptTxOnOneConnection: the first AcceptTx of an Inbox asks
+// whether idem is distributed through the caller's transaction, so a pool
+// whose only connection that transaction holds accepts (before, the
+// question waited for a second connection until the context ran out).
+func TestAcceptTxOnOneConnection(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	url, _ := setup(t)
+	one := testdb.Pool(t, url, 1)
+	in, err := inbox.New(inbox.Config{Pool: one, Handler: func(ctx context.Context, tx pgx.Tx, d *inbox.Delivery) (any, error) { return nil, record(ctx, tx, d) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := one.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(context.Background())
+	a, err := in.AcceptTx(ctx, tx, &inbox.Delivery{Source: "shop", Key: "one-conn", Payload: []byte(`{}`)})
+	if err != nil || a.Duplicate {
+		t.Fatalf("AcceptTx on the pool's only connection: %+v %v", a, err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n := count(t, one, `SELECT count(*) FROM river_job WHERE kind = $1`, inbox.Kind); n != 1 {
+		t.Fatalf("%d jobs after the accept, want 1", n)
 	}
 }

@@ -146,7 +146,7 @@ type ReplayResult struct {
 // the same payload replaces the dead one, in one transaction. An event
 // whose key is already completed is not run again.
 func (in *Inbox) Replay(ctx context.Context, f Filter) ([]ReplayResult, error) {
-	if err := in.refuseCitus(ctx); err != nil {
+	if err := in.refuseCitus(ctx, in.cfg.Pool); err != nil {
 		return nil, err
 	}
 	dead, err := in.DeadLetters(ctx, f)

@@ -80,7 +80,7 @@ func (w *worker) Work(ctx context.Context, job *river.Job[Job]) error {
 	in, a := w.in, job.Args
 	log := in.cfg.Logger.With(slog.String("source", a.Source), slog.String("key", a.Key), slog.Int64("job", job.ID), slog.Int("attempt", job.Attempt))
 
-	if err := in.refuseCitus(ctx); err != nil {
+	if err := in.refuseCitus(ctx, in.cfg.Pool); err != nil {
 		return err
 	}
 	lease := in.lease(a)
