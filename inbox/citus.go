@@ -12,7 +12,8 @@ import (
 // ErrCitus: idem is distributed (Citus, idemctl migrate up --citus) and
 // the inbox does not run there yet: its queue functions would take a key's
 // lock on the coordinator, where the key's claims do not (docs/citus.md).
-// Accept, the worker and Replay return it; nothing is written.
+// Accept, AcceptTx, the worker, Replay and Repair return it; nothing is
+// written.
 var ErrCitus = errors.New("inbox: idem is distributed (Citus), where the inbox does not run yet (docs/citus.md)")
 
 // citusState caches what idem.distributed() answered for the inbox's
@@ -26,10 +27,14 @@ type querier interface {
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 }
 
-// refuseCitus returns ErrCitus on a distributed installation. It asks the
-// database through q once (idem.distributed(), migration 11, which the
-// application's and maintainer's roles may ask since migration 12; before
-// 11 idem cannot be distributed), and again after a failed question.
+// refuseCitus returns ErrCitus on a distributed installation. It asks
+// through q once, and again after a failed question: first whether Citus
+// is installed in the database at all (its catalog pg_dist_partition,
+// which every role may look up: no question of idem's, so it answers at
+// every schema version and for every role); only where it is, whether
+// idem.processed_events is distributed (idem.distributed(), migration 11,
+// which the application's and the maintainer's roles may ask since
+// migration 12).
 func (in *Inbox) refuseCitus(ctx context.Context, q querier) error {
 	switch in.citus.v.Load() {
 	case 1:
@@ -37,9 +42,9 @@ func (in *Inbox) refuseCitus(ctx context.Context, q querier) error {
 	case 2:
 		return ErrCitus
 	}
-	var exists, distributed bool
-	err := q.QueryRow(ctx, `SELECT to_regprocedure('idem.distributed()') IS NOT NULL`).Scan(&exists)
-	if err == nil && exists {
+	var citus, distributed bool
+	err := q.QueryRow(ctx, `SELECT to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL AND to_regprocedure('idem.distributed()') IS NOT NULL`).Scan(&citus)
+	if err == nil && citus {
 		err = q.QueryRow(ctx, `SELECT idem.distributed()`).Scan(&distributed)
 	}
 	if err != nil {

@@ -4,12 +4,15 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
+	neturl "net/url"
 	"os"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/testdb"
@@ -106,4 +109,76 @@ func TestAcceptTxOnOneConnection(t *testing.T) {
 	if n := count(t, one, `SELECT count(*) FROM river_job WHERE kind = $1`, inbox.Kind); n != 1 {
 		t.Fatalf("%d jobs after the accept, want 1", n)
 	}
+}
+
+// TestAtSchema11: an application whose idem schema is still at version 11
+// (where idem.distributed() exists but its application role may not ask
+// it) runs this inbox as that role: the question whether idem is
+// distributed asks Citus' catalog first, and without Citus never asks
+// idem.distributed(). Accept, AcceptTx and the worker work.
+func TestAtSchema11(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.NewEmpty(t)
+	admin := testdb.Pool(t, url, 4)
+	db := stdlib.OpenDBFromPool(admin)
+	defer db.Close()
+	p, err := migrate.NewProvider(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.UpTo(ctx, 11); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := inbox.Migrate(ctx, admin, ""); err != nil {
+		t.Fatal(err)
+	}
+	app := fmt.Sprintf("idem_at11_%d", time.Now().UnixNano())
+	for _, q := range []string{`CREATE ROLE ` + app + ` LOGIN`, `SELECT idem.grant_app('` + app + `')`,
+		`CREATE TABLE processed (source text, key text, attempt int, at timestamptz DEFAULT clock_timestamp())`,
+		`GRANT INSERT, SELECT ON processed TO ` + app} {
+		if _, err := admin.Exec(ctx, q); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+	t.Cleanup(func() {
+		_, _ = admin.Exec(context.Background(), `DROP OWNED BY `+app)
+		_, _ = admin.Exec(context.Background(), `DROP ROLE `+app)
+	})
+	if err := inbox.GrantRiver(ctx, admin, ""); err != nil {
+		t.Fatal(err)
+	}
+	var asks bool
+	if err := admin.QueryRow(ctx, `SELECT has_function_privilege($1, 'idem.distributed()', 'EXECUTE')`, app).Scan(&asks); err != nil || asks {
+		t.Fatalf("the app role may ask idem.distributed() at 11 (%v): the test would prove nothing", err)
+	}
+	pool := testdb.Pool(t, asUser(url, app), 8)
+	in, err := inbox.New(inbox.Config{Pool: pool, Handler: func(ctx context.Context, tx pgx.Tx, d *inbox.Delivery) (any, error) {
+		return nil, record(ctx, tx, d)
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := in.Accept(ctx, &inbox.Delivery{Source: "shop", Key: "at11-1", Payload: []byte(`{}`)}); err != nil {
+		t.Fatalf("Accept as the app role at 11: %v", err)
+	}
+	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		_, err := in.AcceptTx(ctx, tx, &inbox.Delivery{Source: "shop", Key: "at11-2", Payload: []byte(`{}`)})
+		return err
+	}); err != nil {
+		t.Fatalf("AcceptTx as the app role at 11: %v", err)
+	}
+	start(t, in, 2, nil)
+	waitFor(t, "both events processed", func() bool {
+		return count(t, admin, `SELECT count(*) FROM processed WHERE key LIKE 'at11-%'`) == 2
+	})
+}
+
+// asUser is url (a URL or keyword/value string) connecting as role.
+func asUser(dsn, role string) string {
+	if u, err := neturl.Parse(dsn); err == nil && (u.Scheme == "postgres" || u.Scheme == "postgresql") {
+		u.User = neturl.User(role)
+		return u.String()
+	}
+	return dsn + " user=" + role
 }

@@ -56,6 +56,9 @@ func riverTable(schema, name string) string {
 // safe to run from several processes at once.
 func (in *Inbox) Repair(ctx context.Context) (RepairReport, error) {
 	var rep RepairReport
+	if err := in.refuseCitus(ctx, in.cfg.Pool); err != nil {
+		return rep, err
+	}
 	rows, err := in.cfg.Pool.Query(ctx, orphanQuery(in.cfg.Schema, true))
 	if err != nil {
 		return rep, fmt.Errorf("inbox: repair: %w", err)

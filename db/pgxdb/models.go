@@ -129,6 +129,13 @@ type IdemQueueCount struct {
 	Since     pgtype.Timestamptz
 }
 
+type IdemRight struct {
+	Grantee   string
+	Privilege string
+	Kind      string
+	Object    string
+}
+
 type IdemRun struct {
 	ID         int64
 	Job        string

@@ -132,6 +132,13 @@ type IdemQueueCount struct {
 	Since     sql.NullTime
 }
 
+type IdemRight struct {
+	Grantee   string
+	Privilege string
+	Kind      string
+	Object    string
+}
+
 type IdemRun struct {
 	ID         int64
 	Job        string
