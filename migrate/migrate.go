@@ -133,13 +133,27 @@ func GuardDown(ctx context.Context, db *sql.DB, p *goose.Provider, version int64
 	return nil
 }
 
-// Up applies every pending migration. Re-running it is a no-op.
+// Up applies every pending migration. Re-running it is a no-op. On a
+// distributed installation (Citus ran before) it then runs Citus again,
+// which does nothing when nothing needs doing: a migration that replaces a
+// per-key function resets what Citus needs of it (migration 13 and later
+// do that in their own transaction; this covers any that does not).
 func Up(ctx context.Context, db *sql.DB) ([]*goose.MigrationResult, error) {
 	p, err := NewProvider(db, goose.WithSlog(discardLogger))
 	if err != nil {
 		return nil, err
 	}
-	return p.Up(ctx)
+	res, err := p.Up(ctx)
+	if err != nil {
+		return res, err
+	}
+	if d, err := Distributed(ctx, db); err != nil || !d {
+		return res, err
+	}
+	if _, err := Citus(ctx, db); err != nil {
+		return res, err
+	}
+	return res, nil
 }
 
 // ErrSchemaInUse: schema idem exists, holds objects, and has no idem

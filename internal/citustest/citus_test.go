@@ -11,6 +11,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -20,7 +21,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
-	_ "github.com/jackc/pgx/v5/stdlib"
+	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/internal/partition"
@@ -451,5 +452,114 @@ func TestCitusMaintenance(t *testing.T) {
 	}
 	if distributed < 5 || distributed != len(parts)-1 { // parts has the default partition too
 		t.Errorf("%d months distributed, %d partitions listed; want current + 4 ahead, all distributed", distributed, len(parts))
+	}
+}
+
+// TestCitusEveryAcquisition: each way a claim acquires a key works on
+// Citus (claim version 13): a retry after a retryable failure through Do
+// (its work runs again, once), the take-over of a lost lease, a key whose
+// expired row is in the current month (version 11 failed on the last two
+// and on the retry); idem.release is refused there (ID006), writing
+// nothing.
+func TestCitusEveryAcquisition(t *testing.T) {
+	pool := setup(t)
+	ctx := context.Background()
+	c := idem.New(pool, nil)
+	claim := func(key string) (outcome string, attempt int) {
+		t.Helper()
+		if err := pool.QueryRow(ctx, `SELECT outcome, coalesce(attempt, 0) FROM idem.claim('c', $1)`, key).Scan(&outcome, &attempt); err != nil {
+			t.Fatalf("claim %s: %v", key, err)
+		}
+		return outcome, attempt
+	}
+	exec := func(q string, args ...any) {
+		t.Helper()
+		if _, err := pool.Exec(ctx, q, args...); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+
+	t.Run("retry after a retryable failure, through Do", func(t *testing.T) {
+		runs := 0
+		work := func(context.Context) (any, error) {
+			runs++
+			if runs == 1 {
+				return nil, errors.New("transient")
+			}
+			return "done", nil
+		}
+		if _, err := c.Do(ctx, "c", "retry", work); err == nil {
+			t.Fatal("the failing first run returned no error")
+		}
+		r, err := c.Do(ctx, "c", "retry", work)
+		if err != nil || r.Replayed || string(r.Result) != `"done"` || runs != 2 {
+			t.Fatalf("the retry: %+v %v after %d runs", r, err, runs)
+		}
+		if r, err := c.Do(ctx, "c", "retry", work); err != nil || !r.Replayed || runs != 2 {
+			t.Fatalf("a duplicate after the retry: %+v %v after %d runs", r, err, runs)
+		}
+	})
+	t.Run("lost lease", func(t *testing.T) {
+		claim("lease")
+		exec(`UPDATE idem.processed_events SET lease_expires_at = now() - interval '1 second' WHERE source = 'c' AND key = 'lease'`)
+		if o, a := claim("lease"); o != "acquired" || a != 2 {
+			t.Fatalf("the take-over of a lost lease: %s, attempt %d", o, a)
+		}
+	})
+	t.Run("expired row in the current month", func(t *testing.T) {
+		claim("expired")
+		exec(`UPDATE idem.processed_events SET status = 'completed', lease_expires_at = NULL, expires_at = now() - interval '1 hour' WHERE source = 'c' AND key = 'expired'`)
+		if o, a := claim("expired"); o != "acquired" || a != 1 {
+			t.Fatalf("a key whose row expired: %s, attempt %d", o, a)
+		}
+	})
+	t.Run("release refused", func(t *testing.T) {
+		exec(`UPDATE idem.processed_events SET status = 'completed', lease_expires_at = NULL WHERE source = 'c' AND key = 'expired'`)
+		_, err := pool.Exec(ctx, `SELECT idem.release('c', 'expired')`)
+		var pgErr *pgconn.PgError
+		if !errors.As(err, &pgErr) || pgErr.Code != "ID006" {
+			t.Fatalf("idem.release on Citus: %v, want SQLSTATE ID006", err)
+		}
+		var rows int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem.processed_events WHERE source = 'c' AND key = 'expired'`).Scan(&rows); err != nil || rows != 1 {
+			t.Fatalf("after the refused release: %d rows (%v), want 1", rows, err)
+		}
+	})
+}
+
+// TestCitusUpgradeKeepsDelegation: a migration that replaces claim on a
+// distributed installation (13) delegates it again in its own transaction,
+// so right after goose applied it, with no migrate.Citus run, a claim is
+// delegated and an undelegated one is still refused (ID005).
+func TestCitusUpgradeKeepsDelegation(t *testing.T) {
+	pool := setup(t) // fully migrated and distributed; go back to 12
+	ctx := context.Background()
+	db := stdlib.OpenDBFromPool(pool)
+	defer db.Close()
+	p, err := migrate.NewProvider(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.DownTo(ctx, 12); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.UpTo(ctx, 13); err != nil { // goose alone: no migrate.Citus after it
+		t.Fatal(err)
+	}
+	var cfg []string
+	if err := pool.QueryRow(ctx, `SELECT proconfig FROM pg_proc WHERE oid = 'idem.claim(text, text, text, interval, interval, text, interval)'::regprocedure`).Scan(&cfg); err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Contains(cfg, "idem.citus=on") {
+		t.Fatalf("claim's settings after migration 13 on Citus: %v, want idem.citus=on", cfg)
+	}
+	var outcome string
+	if err := pool.QueryRow(ctx, `SELECT outcome FROM idem.claim('c', 'after-13')`).Scan(&outcome); err != nil || outcome != "acquired" {
+		t.Fatalf("a claim after migration 13: %q %v", outcome, err)
+	}
+	_, err = pool.Exec(ctx, `SELECT (idem.claim('c', v.k)).outcome FROM (VALUES ('undelegated-13')) v(k)`)
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != sqlstate.NotDelegated {
+		t.Fatalf("an undelegated claim after migration 13: %v, want SQLSTATE %s", err, sqlstate.NotDelegated)
 	}
 }
