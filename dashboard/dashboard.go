@@ -11,8 +11,10 @@
 //
 // or run it with idemctl run --http. It is read-only unless Config.Actions
 // is set; actions (replaying dead letters) are protected against
-// cross-site requests (http.CrossOriginProtection) and logged. It shows no
-// stored result unless Config.ShowResults is set, and never a payload.
+// cross-site requests (http.CrossOriginProtection) and logged;
+// Config.AllowedHosts refuses requests for other host names (DNS
+// rebinding). It shows no stored result unless Config.ShowResults is set,
+// and never a payload.
 //
 // Every page reads an index, a small table or the catalog (migration 10's
 // idem.activity, idem.source_snapshots, idem.runs): never a scan of
@@ -27,7 +29,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"net/http"
+	"net/netip"
 	"strings"
 	"time"
 
@@ -74,6 +78,20 @@ type Config struct {
 	// ReplayLimit is the most dead letters one replay goes through (0:
 	// DefaultReplayLimit).
 	ReplayLimit int
+	// AllowedHosts are the host names and IP addresses (without a port)
+	// the handler answers: a request whose Host header, its port ignored
+	// and compared case-insensitively, is none of them is answered 421
+	// Misdirected Request and nothing runs. Default nil (or empty): any
+	// host. A browser takes a page of another name that resolves to the
+	// dashboard's address (DNS rebinding) for the dashboard's own origin,
+	// so the cross-origin protection of actions lets its forms and reads
+	// through; on a listener without authentication, a loopback one
+	// included (any web page the operator opens can rebind a name to
+	// 127.0.0.1), set the names the dashboard is reached by. Mounted
+	// behind the application's own server and authentication it is
+	// normally left empty: the rebound page does not have the operator's
+	// credentials, which the browser keeps for the real name.
+	AllowedHosts []string
 	// Logger logs every action (who asked is the request's remote address
 	// and, when set by your middleware, its Remote-User header) and every
 	// failed query (default: slog.Default()).
@@ -82,9 +100,10 @@ type Config struct {
 
 // Dashboard is the handler New returns.
 type Dashboard struct {
-	cfg  Config
-	log  *slog.Logger
-	root http.Handler
+	cfg   Config
+	log   *slog.Logger
+	root  http.Handler
+	hosts map[string]bool // Config.AllowedHosts, normalized; nil: any
 }
 
 // New validates cfg and returns the dashboard.
@@ -105,12 +124,23 @@ func New(cfg Config) (*Dashboard, error) {
 	if cfg.Prefix != "" && (!strings.HasPrefix(cfg.Prefix, "/") || strings.HasSuffix(cfg.Prefix, "/") || strings.ContainsAny(cfg.Prefix, "?#{}")) {
 		return nil, bad("Prefix", "%q must start with / and not end with one (e.g. \"/idem\")", cfg.Prefix)
 	}
+	var hosts map[string]bool
+	for _, h := range cfg.AllowedHosts {
+		n, ok := normalizeHost(h)
+		if !ok {
+			return nil, bad("AllowedHosts", "%q is not a host name or an IP address (without a port)", h)
+		}
+		if hosts == nil {
+			hosts = map[string]bool{}
+		}
+		hosts[n] = true
+	}
 	if cfg.DuplicateAlert == 0 {
 		cfg.DuplicateAlert = DefaultDuplicateAlert
 	}
 	cfg.QueryTimeout = cmp.Or(cfg.QueryTimeout, DefaultQueryTimeout)
 	cfg.ReplayLimit = cmp.Or(cfg.ReplayLimit, DefaultReplayLimit)
-	d := &Dashboard{cfg: cfg, log: cmp.Or(cfg.Logger, slog.Default())}
+	d := &Dashboard{cfg: cfg, log: cmp.Or(cfg.Logger, slog.Default()), hosts: hosts}
 
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /{$}", d.overview)
@@ -143,6 +173,10 @@ func (d *Dashboard) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("Referrer-Policy", "same-origin")
 	// No script, no frame: the pages need neither.
 	w.Header().Set("Content-Security-Policy", "default-src 'self'; script-src 'none'; frame-ancestors 'none'; form-action 'self'")
+	if d.hosts != nil && !d.hostAllowed(r.Host) {
+		d.misdirected(w, r)
+		return
+	}
 	if d.cfg.Prefix != "" && r.URL.Path == d.cfg.Prefix {
 		http.Redirect(w, r, d.cfg.Prefix+"/", http.StatusMovedPermanently)
 		return
@@ -156,4 +190,40 @@ func (d *Dashboard) crossOrigin(w http.ResponseWriter, r *http.Request) {
 		slog.String("path", r.URL.Path), slog.String("origin", r.Header.Get("Origin")),
 		slog.String("sec_fetch_site", r.Header.Get("Sec-Fetch-Site")), slog.String("remote", r.RemoteAddr))
 	http.Error(w, "cross-origin request refused: actions are taken from the dashboard's own pages", http.StatusForbidden)
+}
+
+// normalizeHost is a host name (lower case) or an IP address (in its
+// canonical form); ok is false for anything else (a port, a path, an
+// empty name).
+func normalizeHost(h string) (string, bool) {
+	if a, err := netip.ParseAddr(strings.TrimSuffix(strings.TrimPrefix(h, "["), "]")); err == nil && a.Zone() == "" {
+		return a.Unmap().String(), true
+	}
+	if h == "" || len(h) > 253 {
+		return "", false
+	}
+	for _, c := range h {
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-' || c == '.' || c == '_') {
+			return "", false
+		}
+	}
+	return strings.ToLower(h), true
+}
+
+// hostAllowed tells whether a request's Host header names one of
+// Config.AllowedHosts (its port ignored).
+func (d *Dashboard) hostAllowed(hostport string) bool {
+	host := hostport
+	if h, _, err := net.SplitHostPort(hostport); err == nil {
+		host = h
+	}
+	n, ok := normalizeHost(host)
+	return ok && d.hosts[n]
+}
+
+// misdirected answers a request for a host the dashboard does not answer.
+func (d *Dashboard) misdirected(w http.ResponseWriter, r *http.Request) {
+	d.log.LogAttrs(r.Context(), slog.LevelWarn, "dashboard: request for a host not allowed refused",
+		slog.String("host", truncate(r.Host, 80)), slog.String("path", r.URL.Path), slog.String("remote", r.RemoteAddr))
+	http.Error(w, "misdirected request: this host name is not one of the dashboard's AllowedHosts (idemctl run: --http-host)", http.StatusMisdirectedRequest)
 }

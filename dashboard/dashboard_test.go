@@ -136,6 +136,12 @@ func get(t *testing.T, u string) (int, string) {
 
 func post(t *testing.T, u string, form url.Values, header map[string]string) (int, string) {
 	t.Helper()
+	return postHost(t, u, "", form, header)
+}
+
+// postHost posts form to u with the Host header host ("": u's).
+func postHost(t *testing.T, u, host string, form url.Values, header map[string]string) (int, string) {
+	t.Helper()
 	req, err := http.NewRequest(http.MethodPost, u, strings.NewReader(form.Encode()))
 	if err != nil {
 		t.Fatal(err)
@@ -143,6 +149,9 @@ func post(t *testing.T, u string, form url.Values, header map[string]string) (in
 	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
 	for k, v := range header {
 		req.Header.Set(k, v)
+	}
+	if host != "" {
+		req.Host = host
 	}
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
@@ -307,13 +316,16 @@ func TestConfig(t *testing.T) {
 	t.Parallel()
 	pool := &pgxpool.Pool{}
 	for name, cfg := range map[string]dashboard.Config{
-		"no pool":               {},
-		"alert above 1":         {Pool: pool, DuplicateAlert: 1.5},
-		"negative alert":        {Pool: pool, DuplicateAlert: -0.1},
-		"negative timeout":      {Pool: pool, QueryTimeout: -time.Second},
-		"negative replay limit": {Pool: pool, ReplayLimit: -1},
-		"prefix without slash":  {Pool: pool, Prefix: "idem"},
-		"prefix ending in /":    {Pool: pool, Prefix: "/idem/"},
+		"no pool":                {},
+		"alert above 1":          {Pool: pool, DuplicateAlert: 1.5},
+		"negative alert":         {Pool: pool, DuplicateAlert: -0.1},
+		"negative timeout":       {Pool: pool, QueryTimeout: -time.Second},
+		"negative replay limit":  {Pool: pool, ReplayLimit: -1},
+		"prefix without slash":   {Pool: pool, Prefix: "idem"},
+		"prefix ending in /":     {Pool: pool, Prefix: "/idem/"},
+		"allowed host with port": {Pool: pool, AllowedHosts: []string{"localhost:9187"}},
+		"empty allowed host":     {Pool: pool, AllowedHosts: []string{"localhost", ""}},
+		"allowed host as a URL":  {Pool: pool, AllowedHosts: []string{"http://localhost"}},
 	} {
 		if _, err := dashboard.New(cfg); !errors.Is(err, dashboard.ErrInvalidConfig) {
 			t.Errorf("%s: %v", name, err)
@@ -401,5 +413,95 @@ func TestAsMaintainer(t *testing.T) {
 		f.mu.Lock()
 		defer f.mu.Unlock()
 		return len(f.runs) == 5
+	})
+}
+
+// TestAllowedHosts: with AllowedHosts set, a request for another host
+// name (a DNS-rebinding page: another name resolving to the dashboard's
+// address, same-origin to the browser) is 421 and replays nothing; the
+// allowed names are answered whatever their case and port; without
+// AllowedHosts any host is answered.
+func TestAllowedHosts(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := setup(t)
+	srv := serve(t, dashboard.Config{Pool: f.pool, Inbox: f.in, Actions: true,
+		AllowedHosts: []string{"localhost", "127.0.0.1", "::1", "Dash.Example"}})
+	su, err := url.Parse(srv.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead := func() int64 {
+		n, err := f.in.CountDeadLetters(ctx, inbox.Filter{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	confirmed := url.Values{"source": {"shop"}, "scope": {"all"}, "confirm": {"1"}, "expected": {"1"}}
+
+	t.Run("DNS rebinding refused", func(t *testing.T) {
+		host := "rebind.attacker.example:" + su.Port()
+		code, body := postHost(t, srv.URL+"/dead/replay", host, confirmed,
+			map[string]string{"Origin": "http://" + host, "Sec-Fetch-Site": "same-origin"})
+		if code != http.StatusMisdirectedRequest || !strings.Contains(body, "AllowedHosts") {
+			t.Errorf("POST with Host %s: %d %s", host, code, body)
+		}
+		if n := dead(); n != 5 {
+			t.Fatalf("a request for another host replayed: %d dead letters left", n)
+		}
+		for _, p := range []string{"/", "/keys?source=web", "/dead", "/static/idem.css"} {
+			req, err := http.NewRequest(http.MethodGet, srv.URL+p, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			req.Host = host
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			if resp.StatusCode != http.StatusMisdirectedRequest {
+				t.Errorf("GET %s with Host %s: %d", p, host, resp.StatusCode)
+			}
+		}
+	})
+	t.Run("allowed names answered", func(t *testing.T) {
+		for _, host := range []string{su.Host, "localhost:" + su.Port(), "LocalHost:" + su.Port(), "[::1]:" + su.Port(), "dash.example", "DASH.example:443"} {
+			req, err := http.NewRequest(http.MethodGet, srv.URL+"/maintenance", nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			req.Host = host
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			if resp.StatusCode != http.StatusOK {
+				t.Errorf("GET with Host %s: %d", host, resp.StatusCode)
+			}
+		}
+		code, body := postHost(t, srv.URL+"/dead/replay", "localhost:"+su.Port(), confirmed,
+			map[string]string{"Origin": "http://localhost:" + su.Port(), "Sec-Fetch-Site": "same-origin"})
+		if code != http.StatusOK || !strings.Contains(body, "<b>1</b> replayed") {
+			t.Fatalf("replay from an allowed host: %d %s", code, body)
+		}
+	})
+	t.Run("any host without AllowedHosts", func(t *testing.T) {
+		open := serve(t, dashboard.Config{Pool: f.pool})
+		req, err := http.NewRequest(http.MethodGet, open.URL+"/maintenance", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Host = "anything.example"
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("GET with Host anything.example: %d", resp.StatusCode)
+		}
 	})
 }
