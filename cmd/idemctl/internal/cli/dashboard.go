@@ -2,9 +2,13 @@ package cli
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
+	"net/netip"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -19,7 +23,7 @@ import (
 // newDashboard is idemctl run --http's dashboard. The dead letters page
 // and its replay need the inbox's River tables; without them the page
 // says the inbox is not in use.
-func newDashboard(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger, riverSchema, queue string, actions, results bool) (http.Handler, error) {
+func newDashboard(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger, riverSchema, queue string, actions, results bool, hosts []string) (http.Handler, error) {
 	table := "river_job"
 	if riverSchema != "" {
 		table = pgx.Identifier{riverSchema, "river_job"}.Sanitize()
@@ -28,7 +32,8 @@ func newDashboard(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger, riv
 	if err := pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&hasRiver); err != nil {
 		return nil, err
 	}
-	cfg := dashboard.Config{Pool: pool, Actions: actions, ShowResults: results, Logger: log.With(slog.String("component", "dashboard"))}
+	cfg := dashboard.Config{Pool: pool, Actions: actions, ShowResults: results, AllowedHosts: hosts,
+		Logger: log.With(slog.String("component", "dashboard"))}
 	if hasRiver {
 		in, err := inbox.New(inbox.Config{Pool: pool, Schema: riverSchema, Queue: queue, Logger: log})
 		if err != nil {
@@ -41,6 +46,44 @@ func newDashboard(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger, riv
 		return nil, usageErr("%v", err)
 	}
 	return d, nil
+}
+
+// dashboardHosts are the host names idemctl run's dashboard answers
+// (dashboard.Config.AllowedHosts): the loopback names, --listen's host
+// when it names one address (not every interface), and --http-host's.
+// Any other Host is refused, so that a page on another name resolving to
+// the listener's address (DNS rebinding) cannot use the dashboard.
+func dashboardHosts(listen string, extra []string) []string {
+	hosts := []string{"localhost", "127.0.0.1", "::1"}
+	if h, _, err := net.SplitHostPort(listen); err == nil && h != "" && h != "0.0.0.0" && h != "::" && !slices.Contains(hosts, h) {
+		hosts = append(hosts, h)
+	}
+	for _, h := range extra {
+		if !slices.Contains(hosts, h) {
+			hosts = append(hosts, h)
+		}
+	}
+	return hosts
+}
+
+// hostList is --http-host: repeated, or comma-separated.
+type hostList []string
+
+func (l *hostList) String() string { return strings.Join(*l, ",") }
+
+func (l *hostList) Set(s string) error {
+	for _, h := range strings.Split(s, ",") {
+		h = strings.ToLower(strings.TrimSpace(h))
+		if h == "" {
+			return fmt.Errorf("empty host name in %q", s)
+		}
+		notName := func(c rune) bool { return !strings.ContainsRune("abcdefghijklmnopqrstuvwxyz0123456789-._", c) }
+		if _, err := netip.ParseAddr(h); err != nil && strings.ContainsFunc(h, notName) {
+			return fmt.Errorf("%q is not a host name or an IP address: give the name alone, without a scheme or a port", h)
+		}
+		*l = append(*l, h)
+	}
+	return nil
 }
 
 // snapshotJob is the daemon's snapshot job: idem.snapshot_stats(), the

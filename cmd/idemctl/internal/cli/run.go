@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -53,6 +54,8 @@ func runDaemon(ctx context.Context, io IO, g *globals, args []string) error {
 	serveDash := fs.Bool("http", false, "serve the dashboard at / on --listen (it has no authentication: listen on loopback or behind your proxy)")
 	dashActions := fs.Bool("http-actions", false, "let the dashboard replay dead letters (default read-only)")
 	dashResults := fs.Bool("http-results", false, "show stored results on the dashboard's keys page (they can hold personal data)")
+	var dashHosts hostList
+	fs.Var(&dashHosts, "http-host", "a host `name` the dashboard answers besides localhost, 127.0.0.1, ::1 and --listen's host, e.g. your proxy's when it forwards its own Host (repeat, or comma-separate; any other Host is refused with 421)")
 	riverSchema := fs.String("river-schema", "", "the schema of River's tables, for the dashboard's dead letters (default: the search_path)")
 	queue := fs.String("queue", inbox.DefaultQueue, "the inbox's River queue, for replays from the dashboard")
 	shutdownWait := fs.Duration("shutdown-timeout", 30*time.Second, "on SIGTERM, how long to wait for a running job to stop")
@@ -86,11 +89,11 @@ func runDaemon(ctx context.Context, io IO, g *globals, args []string) error {
 	if err != nil {
 		return err
 	}
-	if (*serveDash || *dashActions || *dashResults) && *listen == "" {
+	if (*serveDash || *dashActions || *dashResults || len(dashHosts) > 0) && *listen == "" {
 		return usageErr("--http needs --listen (an address such as 127.0.0.1:9187)")
 	}
-	if (*dashActions || *dashResults) && !*serveDash {
-		return usageErr("--http-actions and --http-results need --http")
+	if (*dashActions || *dashResults || len(dashHosts) > 0) && !*serveDash {
+		return usageErr("--http-actions, --http-results and --http-host need --http")
 	}
 	log, err := g.logger(io.Err)
 	if err != nil {
@@ -130,8 +133,9 @@ func runDaemon(ctx context.Context, io IO, g *globals, args []string) error {
 	var srv *http.Server
 	if *listen != "" {
 		var dash http.Handler
+		hosts := dashboardHosts(*listen, dashHosts)
 		if *serveDash {
-			if dash, err = newDashboard(ctx, pool, log, *riverSchema, *queue, *dashActions, *dashResults); err != nil {
+			if dash, err = newDashboard(ctx, pool, log, *riverSchema, *queue, *dashActions, *dashResults, hosts); err != nil {
 				return err
 			}
 		}
@@ -149,7 +153,11 @@ func runDaemon(ctx context.Context, io IO, g *globals, args []string) error {
 					slog.String("addr", ln.Addr().String()))
 			}
 		}
-		log.LogAttrs(ctx, slog.LevelInfo, "serving "+what, slog.String("addr", ln.Addr().String()))
+		attrs := []slog.Attr{slog.String("addr", ln.Addr().String())}
+		if dash != nil {
+			attrs = append(attrs, slog.String("dashboard_hosts", strings.Join(hosts, ",")))
+		}
+		log.LogAttrs(ctx, slog.LevelInfo, "serving "+what, attrs...)
 	}
 	c.Start()
 	log.LogAttrs(ctx, slog.LevelInfo, "idemctl run started",

@@ -240,3 +240,103 @@ func TestHealthzRevealsNothing(t *testing.T) {
 		t.Fatalf("the log should have the reason, without the password:\n%s", logs.String())
 	}
 }
+
+// TestRunDashboardHosts: idemctl run --http answers the loopback names,
+// --listen's host and --http-host's (repeated or comma-separated), and
+// refuses any other Host with 421 (a DNS-rebinding page); /healthz is not
+// the dashboard's and answers any Host. The flag is listed by --help and
+// checked as it is parsed.
+func TestRunDashboardHosts(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+
+	t.Run("default hosts", func(t *testing.T) {
+		for listen, want := range map[string]string{
+			":9187":            "localhost,127.0.0.1,::1",
+			"0.0.0.0:9187":     "localhost,127.0.0.1,::1",
+			"[::]:9187":        "localhost,127.0.0.1,::1",
+			"127.0.0.1:9187":   "localhost,127.0.0.1,::1",
+			"[::1]:9187":       "localhost,127.0.0.1,::1",
+			"10.1.2.3:9187":    "localhost,127.0.0.1,::1,10.1.2.3",
+			"ops.internal:80":  "localhost,127.0.0.1,::1,ops.internal",
+			"[fd00::5]:9187":   "localhost,127.0.0.1,::1,fd00::5",
+			"localhost:9187":   "localhost,127.0.0.1,::1",
+			"no-port-is-wrong": "localhost,127.0.0.1,::1",
+		} {
+			if got := strings.Join(dashboardHosts(listen, nil), ","); got != want {
+				t.Errorf("--listen %s: %s, want %s", listen, got, want)
+			}
+		}
+		if got := strings.Join(dashboardHosts(":9187", []string{"proxy.example", "localhost"}), ","); got != "localhost,127.0.0.1,::1,proxy.example" {
+			t.Errorf("with --http-host: %s", got)
+		}
+	})
+	t.Run("usage", func(t *testing.T) {
+		if r := idemctl(t, ctx, nil, "run", "--help"); r.code != 0 || !strings.Contains(r.out+r.errout, "-http-host name") {
+			t.Errorf("run --help does not list --http-host: %+v", r)
+		}
+		for _, args := range [][]string{
+			{"run", "--http-host", "dash.example"},
+			{"run", "--http", "--http-host", "dash.example:9187"},
+			{"run", "--http", "--http-host", "http://dash.example"},
+			{"run", "--http", "--http-host", "a,,b"},
+			{"run", "--http", "--http-host", "a b"},
+		} {
+			if r := idemctl(t, ctx, nil, args...); r.code != ExitUsage {
+				t.Errorf("%v: exit %d, want %d\n%s", args, r.code, ExitUsage, r.errout)
+			}
+		}
+	})
+
+	t.Run("served", func(t *testing.T) {
+		url := testdb.New(t)
+		addr := freeAddr(t)
+		_, port, _ := net.SplitHostPort(addr)
+		var out, errw testdb.Buffer
+		code := make(chan int, 1)
+		go func() {
+			code <- Main(ctx, []string{"run", "--database-url", url, "--listen", addr, "--http",
+				"--http-host", "Dash.Example,proxy.example", "--http-host", "other.example"},
+				&out, &errw, func(string) string { return "" })
+		}()
+		with := func(path, host string) int {
+			req, err := http.NewRequest(http.MethodGet, "http://"+addr+path, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			req.Host = host
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				return 0 // not listening yet
+			}
+			resp.Body.Close()
+			return resp.StatusCode
+		}
+		for deadline := time.Now().Add(20 * time.Second); with("/healthz", addr) != 200; time.Sleep(50 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("the daemon does not answer:\n%s", errw.String())
+			}
+		}
+		for host, want := range map[string]int{
+			addr:                              200,
+			"localhost:" + port:               200,
+			"[::1]:" + port:                   200,
+			"dash.example":                    200,
+			"PROXY.example:443":               200,
+			"other.example":                   200,
+			"rebind.attacker.example:" + port: http.StatusMisdirectedRequest,
+			"example.com":                     http.StatusMisdirectedRequest,
+		} {
+			if got := with("/maintenance", host); got != want {
+				t.Errorf("dashboard with Host %s: %d, want %d", host, got, want)
+			}
+		}
+		if got := with("/healthz", "rebind.attacker.example"); got != 200 {
+			t.Errorf("/healthz with another Host: %d", got)
+		}
+		cancel()
+		if c := <-code; c != 0 {
+			t.Fatalf("exit %d after shutdown: %s", c, errw.String())
+		}
+	})
+}
