@@ -2,6 +2,7 @@ package dashboard_test
 
 import (
 	"context"
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"io"
@@ -504,4 +505,47 @@ func TestAllowedHosts(t *testing.T) {
 			t.Fatalf("GET with Host anything.example: %d", resp.StatusCode)
 		}
 	})
+}
+
+// TestBadText: a query or form value PostgreSQL cannot take as text
+// (invalid UTF-8, a NUL byte), in a key, a source, an error text or a
+// replay form's key ref, is a 400 that says so, not a failed query.
+func TestBadText(t *testing.T) {
+	t.Parallel()
+	f := setup(t)
+	var logs testdb.Buffer
+	srv := serve(t, dashboard.Config{Pool: f.pool, Inbox: f.in, Actions: true,
+		Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelError}))})
+	t.Run("queries", func(t *testing.T) {
+		for _, u := range []string{
+			"/keys?source=web&key=%ff", "/keys?source=%ff&key=k1", "/keys?source=web&key=a%00b", "/keys?source=%ff",
+			"/keys?status=failed&source=a%00", "/dead?source=%ff", "/dead?error=%ff", "/dead?error=a%00", "/dead?source=a%00",
+		} {
+			code, body := get(t, srv.URL+u)
+			if code != http.StatusBadRequest || !strings.Contains(body, "bad request") ||
+				!(strings.Contains(body, "is not valid UTF-8") || strings.Contains(body, "holds a NUL byte")) {
+				t.Errorf("GET %s: %d %s", u, code, body)
+			}
+		}
+	})
+	t.Run("replay forms", func(t *testing.T) {
+		ref := func(source, key string) string {
+			return base64.RawURLEncoding.EncodeToString([]byte(source)) + "." + base64.RawURLEncoding.EncodeToString([]byte(key))
+		}
+		for name, form := range map[string]url.Values{
+			"source of invalid UTF-8": {"source": {"\xff"}, "scope": {"all"}},
+			"error text with NUL":     {"error": {"4\x0022"}, "scope": {"all"}, "confirm": {"1"}, "expected": {"1"}},
+			"ref of invalid UTF-8":    {"scope": {"selected"}, "k": {ref("shop", "\xff")}},
+			"ref with NUL":            {"scope": {"selected"}, "k": {ref("shop", "a\x00")}},
+			"ref of a NUL source":     {"scope": {"selected"}, "k": {ref("\x00", "evt_a")}, "confirm": {"1"}, "expected": {"1"}},
+		} {
+			code, body := post(t, srv.URL+"/dead/replay", form, map[string]string{"Sec-Fetch-Site": "same-origin"})
+			if code != http.StatusBadRequest || !(strings.Contains(body, "is not valid UTF-8") || strings.Contains(body, "holds a NUL byte")) {
+				t.Errorf("POST %s: %d %s", name, code, body)
+			}
+		}
+	})
+	if logs.String() != "" {
+		t.Errorf("logged as errors:\n%s", logs.String())
+	}
 }

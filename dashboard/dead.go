@@ -52,6 +52,11 @@ func parseFilter(form url.Values) (filterForm, inbox.Filter, error) {
 	if len(ff.Source) > 64 || len(ff.Error) > 200 {
 		return ff, f, fmt.Errorf("a source is at most 64 bytes and the error text at most 200")
 	}
+	for _, v := range [][2]string{{"source", ff.Source}, {"error text", ff.Error}} {
+		if err := checkText(v[0], v[1]); err != nil {
+			return ff, f, err
+		}
+	}
 	var err error
 	if f.Since, err = parseWhen("since", ff.Since); err != nil {
 		return ff, f, err
@@ -78,17 +83,17 @@ func parseWhen(name, s string) (time.Time, error) {
 }
 
 func (d *Dashboard) deadLetters(w http.ResponseWriter, r *http.Request) {
+	ff, f, err := parseFilter(r.URL.Query())
+	if err != nil {
+		d.badRequest(w, r, "dead", "%v", err)
+		return
+	}
 	p, cancel, ok := d.page(w, r)
 	defer cancel()
 	if !ok {
 		return
 	}
 	ctx, q, now := p.ctx, p.q, p.now
-	ff, f, err := parseFilter(r.URL.Query())
-	if err != nil {
-		d.badRequest(w, r, "dead", "%v", err)
-		return
-	}
 	v := deadView{Inbox: d.cfg.Inbox != nil, Filter: ff, Query: ff.values().Encode()}
 	if v.Holds, err = q.DashHolds(ctx); err != nil {
 		d.fail(w, r, "holds", err)
@@ -120,6 +125,11 @@ func parseKeyRef(s string) (source, key string, err error) {
 	k, err2 := base64.RawURLEncoding.DecodeString(b)
 	if !ok || err1 != nil || err2 != nil || len(src) == 0 || len(k) == 0 {
 		return "", "", fmt.Errorf("%q does not name a dead letter", truncate(s, 40))
+	}
+	for _, v := range [][2]string{{"its source", string(src)}, {"its key", string(k)}} {
+		if err := checkText(v[0], v[1]); err != nil {
+			return "", "", fmt.Errorf("%q does not name a dead letter: %w", truncate(s, 40), err)
+		}
 	}
 	return string(src), string(k), nil
 }

@@ -1,6 +1,7 @@
 package dashboard
 
 import (
+	"fmt"
 	"net/http"
 	"net/url"
 	"slices"
@@ -32,18 +33,48 @@ type keysView struct {
 	Next                string // the next page's query, "" on the last
 }
 
+// keysForm is the keys page's query: a lookup (Key set) or a list.
+type keysForm struct {
+	Source, Key, Status string
+	Before              pgtype.Timestamptz // the list's cursor (infinity: the first page)
+}
+
+// parseKeysForm reads and checks the keys page's query.
+func parseKeysForm(form url.Values) (keysForm, error) {
+	kf := keysForm{Source: form.Get("source"), Key: form.Get("key"), Status: form.Get("status"),
+		Before: pgtype.Timestamptz{InfinityModifier: pgtype.Infinity, Valid: true}}
+	if kf.Status != "" && !slices.Contains(statuses, kf.Status) {
+		return kf, fmt.Errorf("status %q is not one of %v", truncate(kf.Status, 40), statuses)
+	}
+	if len(kf.Source) > 64 || len(kf.Key) > 512 {
+		return kf, fmt.Errorf("a source is at most 64 bytes and a key at most 512")
+	}
+	for _, f := range [][2]string{{"source", kf.Source}, {"key", kf.Key}} {
+		if err := checkText(f[0], f[1]); err != nil {
+			return kf, err
+		}
+	}
+	if kf.Key != "" && kf.Source == "" {
+		return kf, fmt.Errorf("a key lookup needs its source")
+	}
+	if b := form.Get("before"); b != "" {
+		t, err := time.Parse(time.RFC3339Nano, b)
+		if err != nil {
+			return kf, fmt.Errorf("before %q is not an RFC 3339 time", truncate(b, 40))
+		}
+		kf.Before = pgtype.Timestamptz{Time: t, Valid: true}
+	}
+	return kf, nil
+}
+
 func (d *Dashboard) keys(w http.ResponseWriter, r *http.Request) {
-	form := r.URL.Query()
-	v := keysView{Source: form.Get("source"), Key: form.Get("key"), Status: form.Get("status"), Statuses: statuses,
+	kf, err := parseKeysForm(r.URL.Query())
+	if err != nil {
+		d.badRequest(w, r, "keys", "%v", err)
+		return
+	}
+	v := keysView{Source: kf.Source, Key: kf.Key, Status: kf.Status, Statuses: statuses,
 		ShowResults: d.cfg.ShowResults, Scan: keysScan}
-	if v.Status != "" && !slices.Contains(statuses, v.Status) {
-		d.badRequest(w, r, "keys", "status %q is not one of %v", truncate(v.Status, 40), statuses)
-		return
-	}
-	if len(v.Source) > 64 || len(v.Key) > 512 {
-		d.badRequest(w, r, "keys", "a source is at most 64 bytes and a key at most 512")
-		return
-	}
 	p, cancel, ok := d.page(w, r)
 	defer cancel()
 	if !ok {
@@ -61,10 +92,6 @@ func (d *Dashboard) keys(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	if v.Key != "" {
-		if v.Source == "" {
-			d.badRequest(w, r, "keys", "a key lookup needs its source")
-			return
-		}
 		v.Lookup = true
 		v.Found, err = q.DashKey(ctx, pgxdb.DashKeyParams{Source: v.Source, Key: v.Key, WithResult: d.cfg.ShowResults})
 		if err != nil {
@@ -74,16 +101,7 @@ func (d *Dashboard) keys(w http.ResponseWriter, r *http.Request) {
 		d.render(w, r, http.StatusOK, "keys", "keys", "Keys", now, v)
 		return
 	}
-	before := pgtype.Timestamptz{InfinityModifier: pgtype.Infinity, Valid: true}
-	if b := form.Get("before"); b != "" {
-		t, err := time.Parse(time.RFC3339Nano, b)
-		if err != nil {
-			d.badRequest(w, r, "keys", "before %q is not an RFC 3339 time", truncate(b, 40))
-			return
-		}
-		before = pgtype.Timestamptz{Time: t, Valid: true}
-	}
-	v.List, err = q.DashKeys(ctx, pgxdb.DashKeysParams{Before: before, ScanLimit: keysScan, Source: v.Source,
+	v.List, err = q.DashKeys(ctx, pgxdb.DashKeysParams{Before: kf.Before, ScanLimit: keysScan, Source: v.Source,
 		Status: v.Status, MaxRows: keysPage})
 	if err != nil {
 		d.fail(w, r, "keys", err)

@@ -94,6 +94,19 @@ func (d *Dashboard) badRequest(w http.ResponseWriter, r *http.Request, section, 
 		map[string]string{"What": "bad request", "Message": fmt.Sprintf(format, a...)})
 }
 
+// checkText refuses a form value PostgreSQL cannot take as text (invalid
+// UTF-8, or a NUL byte), so that it is a bad request rather than a failed
+// query.
+func checkText(name, s string) error {
+	switch {
+	case !utf8.ValidString(s):
+		return fmt.Errorf("%s %q is not valid UTF-8", name, truncate(s, 40))
+	case strings.IndexByte(s, 0) >= 0:
+		return fmt.Errorf("%s %q holds a NUL byte", name, truncate(s, 40))
+	}
+	return nil
+}
+
 // page is what every page's handler starts with: a context bounded by
 // Config.QueryTimeout, the queries, and the database's clock (idem.clock(),
 // which the pages' times are relative to). On an error it has answered.
