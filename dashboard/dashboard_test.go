@@ -5,11 +5,13 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"html"
 	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -548,4 +550,82 @@ func TestBadText(t *testing.T) {
 	if logs.String() != "" {
 		t.Errorf("logged as errors:\n%s", logs.String())
 	}
+}
+
+// link is the href of the first <a> whose text starts with text, as the
+// browser reads it (the attribute unescaped), or "".
+func link(body, text string) string {
+	m := regexp.MustCompile(`<a href="([^"]*)">` + regexp.QuoteMeta(text)).FindStringSubmatch(body)
+	if m == nil {
+		return ""
+	}
+	return html.UnescapeString(m[1])
+}
+
+// TestLinks: the keys list's "Next" link leads to the next page (of the
+// same filter), and the replay's "Back to the dead letters" link keeps the
+// filter; each query string is escaped once.
+func TestLinks(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := setup(t)
+	const source = "p g&x=1" // a source that needs escaping in a query
+	for _, sql := range []string{
+		`SELECT idem.claim($1, 'p' || g) FROM generate_series(1, 60) g`,
+		`UPDATE idem.processed_events SET expires_at = expires_at + substr(key, 2)::int * interval '1 second' WHERE source = $1`,
+	} {
+		if _, err := f.pool.Exec(ctx, sql, source); err != nil {
+			t.Fatal(err)
+		}
+	}
+	srv := serve(t, dashboard.Config{Pool: f.pool, Inbox: f.in, Actions: true})
+
+	t.Run("next page", func(t *testing.T) {
+		_, body := get(t, srv.URL+"/keys?"+url.Values{"source": {source}}.Encode())
+		if n := strings.Count(body, `<a class="key"`); n != 50 || !strings.Contains(body, ">p60<") {
+			t.Fatalf("page 1: %d keys, p60 on it: %v", n, strings.Contains(body, ">p60<"))
+		}
+		next := link(body, "Next 50")
+		if next == "" {
+			t.Fatal("no Next link on a full page")
+		}
+		u, err := url.Parse(next)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if u.Path != "/keys" || u.Query().Get("source") != source || u.Query().Get("before") == "" {
+			t.Fatalf("the Next link %q does not carry the cursor and the filter", next)
+		}
+		code, body := get(t, srv.URL+next)
+		if code != 200 {
+			t.Fatalf("page 2: %d %s", code, body)
+		}
+		if n := strings.Count(body, `<a class="key"`); n != 10 || strings.Contains(body, ">p60<") || strings.Contains(body, ">p11<") ||
+			!strings.Contains(body, ">p10<") || !strings.Contains(body, ">p1<") {
+			t.Errorf("page 2 (%s): %d keys, want p10 to p1", next, n)
+		}
+		if link(body, "Next") != "" {
+			t.Error("a Next link on the last page")
+		}
+	})
+	t.Run("back keeps the filter", func(t *testing.T) {
+		form := url.Values{"source": {"shop"}, "error": {"422: unknown"}, "scope": {"all"}, "confirm": {"1"}, "expected": {"0"}}
+		_, body := post(t, srv.URL+"/dead/replay", form, map[string]string{"Sec-Fetch-Site": "same-origin"})
+		back := link(body, "Back to the dead letters")
+		if back == "" {
+			t.Fatalf("no back link:\n%s", body)
+		}
+		u, err := url.Parse(back)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if u.Path != "/dead" || u.Query().Get("source") != "shop" || u.Query().Get("error") != "422: unknown" {
+			t.Fatalf("the back link %q does not carry the filter", back)
+		}
+		code, body := get(t, srv.URL+back)
+		if code != 200 {
+			t.Fatalf("%s: %d %s", back, code, body)
+		}
+		contains(t, "back", body, `value="422: unknown"`, `data-figure="dead-count">5<`)
+	})
 }

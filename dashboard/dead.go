@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/base64"
 	"fmt"
+	"html/template"
 	"log/slog"
 	"net/http"
 	"net/url"
@@ -22,8 +23,7 @@ const deadPage = 200
 type deadView struct {
 	Inbox   bool
 	Filter  filterForm
-	Query   string // the filter as a query string, for links
-	Count   int64  // all that match
+	Count   int64 // all that match
 	Letters []inbox.DeadLetter
 	Holds   []pgxdb.DashHoldsRow
 }
@@ -94,7 +94,7 @@ func (d *Dashboard) deadLetters(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	ctx, q, now := p.ctx, p.q, p.now
-	v := deadView{Inbox: d.cfg.Inbox != nil, Filter: ff, Query: ff.values().Encode()}
+	v := deadView{Inbox: d.cfg.Inbox != nil, Filter: ff}
 	if v.Holds, err = q.DashHolds(ctx); err != nil {
 		d.fail(w, r, "holds", err)
 		return
@@ -148,7 +148,10 @@ type replayedView struct {
 	Tally   []tally
 	Error   string
 	Left    int64 // still matching the filter after the replay
-	Query   string
+	// Query is the filter as a query string, for the link back: built by
+	// url.Values.Encode, so a template.URL (html/template would escape it
+	// again as one query component).
+	Query template.URL
 }
 
 type tally struct {
@@ -288,6 +291,6 @@ func (d *Dashboard) replay(w http.ResponseWriter, r *http.Request) {
 			rv.Left = -1
 		}
 	}
-	rv.Query = ff.values().Encode()
+	rv.Query = template.URL(ff.values().Encode())
 	d.render(w, r, http.StatusOK, "replayed", "dead", "Replay: done", now, rv)
 }

@@ -2,6 +2,7 @@ package dashboard
 
 import (
 	"fmt"
+	"html/template"
 	"net/http"
 	"net/url"
 	"slices"
@@ -30,7 +31,10 @@ type keysView struct {
 	Found               []pgxdb.DashKeyRow // its rows (one per month it was seen in)
 	List                []pgxdb.DashKeysRow
 	Scan                int
-	Next                string // the next page's query, "" on the last
+	// Next is the next page's query string, "" on the last: built by
+	// url.Values.Encode, so a template.URL (html/template would escape it
+	// again as one query component).
+	Next template.URL
 }
 
 // keysForm is the keys page's query: a lookup (Key set) or a list.
@@ -115,7 +119,7 @@ func (d *Dashboard) keys(w http.ResponseWriter, r *http.Request) {
 		if v.Status != "" {
 			next.Set("status", v.Status)
 		}
-		v.Next = next.Encode()
+		v.Next = template.URL(next.Encode())
 	}
 	d.render(w, r, http.StatusOK, "keys", "keys", "Keys", now, v)
 }
