@@ -629,3 +629,78 @@ func TestLinks(t *testing.T) {
 		contains(t, "back", body, `value="422: unknown"`, `data-figure="dead-count">5<`)
 	})
 }
+
+// TestKeysCursor: the keys list's pages go on after the last row in the
+// order (expires_at, source, key), so keys that share an expires_at are
+// each listed once across the pages, with a source filter or without.
+func TestKeysCursor(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := setup(t)
+	for _, sql := range []string{
+		`SELECT idem.claim('tie', 't' || g) FROM generate_series(1, 60) g`,
+		`SELECT idem.claim('tie2', 't' || g) FROM generate_series(1, 20) g`,
+		`UPDATE idem.processed_events SET expires_at = '2100-01-01 00:00:00.123456+00' WHERE source IN ('tie', 'tie2')`,
+	} {
+		if _, err := f.pool.Exec(ctx, sql); err != nil {
+			t.Fatal(err)
+		}
+	}
+	srv := serve(t, dashboard.Config{Pool: f.pool})
+	keyLink := regexp.MustCompile(`<a class="key" href="([^"]*)"`)
+	// walk follows the Next links from u; it returns source/key of every
+	// row listed, in order, and the number of pages.
+	walk := func(t *testing.T, u string) ([]string, int) {
+		var listed []string
+		pages := 0
+		for u != "" && pages < 10 {
+			code, body := get(t, srv.URL+u)
+			if code != 200 {
+				t.Fatalf("%s: %d %s", u, code, body)
+			}
+			pages++
+			for _, m := range keyLink.FindAllStringSubmatch(body, -1) {
+				ku, err := url.Parse(html.UnescapeString(m[1]))
+				if err != nil {
+					t.Fatal(err)
+				}
+				listed = append(listed, ku.Query().Get("source")+"/"+ku.Query().Get("key"))
+			}
+			u = link(body, "Next")
+		}
+		return listed, pages
+	}
+	once := func(t *testing.T, listed []string, want int) {
+		seen := map[string]int{}
+		for _, k := range listed {
+			seen[k]++
+			if seen[k] == 2 {
+				t.Errorf("%s listed twice", k)
+			}
+		}
+		if len(seen) != want {
+			t.Errorf("%d keys listed, want %d", len(seen), want)
+		}
+	}
+
+	t.Run("one source", func(t *testing.T) {
+		listed, pages := walk(t, "/keys?source=tie")
+		if pages != 2 {
+			t.Errorf("%d pages, want 2", pages)
+		}
+		once(t, listed, 60)
+	})
+	t.Run("every source", func(t *testing.T) {
+		var all int
+		if err := f.pool.QueryRow(ctx, `SELECT count(*) FROM idem.processed_events`).Scan(&all); err != nil {
+			t.Fatal(err)
+		}
+		listed, _ := walk(t, "/keys")
+		once(t, listed, all)
+		// The 80 keys sharing the latest expires_at come first, tie2's
+		// before tie's (source descending).
+		if len(listed) < 80 || listed[0] != "tie2/t9" || listed[79] != "tie/t1" {
+			t.Errorf("the tied keys are not first, in (source, key) descending: %v", listed[:min(len(listed), 80)])
+		}
+	})
+}

@@ -14,7 +14,8 @@ import (
 )
 
 // Key listing: a page of keysPage rows among the keysScan rows that expire
-// last (before the cursor), read on the expires_at index.
+// last after the cursor (in the order expires_at, source, key), read on
+// the expires_at index.
 const (
 	keysPage = 50
 	keysScan = 20000
@@ -40,20 +41,25 @@ type keysView struct {
 // keysForm is the keys page's query: a lookup (Key set) or a list.
 type keysForm struct {
 	Source, Key, Status string
-	Before              pgtype.Timestamptz // the list's cursor (infinity: the first page)
+	// The list's cursor: the last row of the page before, the list going
+	// on after it in the order (expires_at, source, key) descending
+	// (infinity, "", "": the first page).
+	Before                  pgtype.Timestamptz
+	BeforeSource, BeforeKey string
 }
 
 // parseKeysForm reads and checks the keys page's query.
 func parseKeysForm(form url.Values) (keysForm, error) {
 	kf := keysForm{Source: form.Get("source"), Key: form.Get("key"), Status: form.Get("status"),
-		Before: pgtype.Timestamptz{InfinityModifier: pgtype.Infinity, Valid: true}}
+		Before:       pgtype.Timestamptz{InfinityModifier: pgtype.Infinity, Valid: true},
+		BeforeSource: form.Get("before_source"), BeforeKey: form.Get("before_key")}
 	if kf.Status != "" && !slices.Contains(statuses, kf.Status) {
 		return kf, fmt.Errorf("status %q is not one of %v", truncate(kf.Status, 40), statuses)
 	}
-	if len(kf.Source) > 64 || len(kf.Key) > 512 {
+	if len(kf.Source) > 64 || len(kf.Key) > 512 || len(kf.BeforeSource) > 64 || len(kf.BeforeKey) > 512 {
 		return kf, fmt.Errorf("a source is at most 64 bytes and a key at most 512")
 	}
-	for _, f := range [][2]string{{"source", kf.Source}, {"key", kf.Key}} {
+	for _, f := range [][2]string{{"source", kf.Source}, {"key", kf.Key}, {"before_source", kf.BeforeSource}, {"before_key", kf.BeforeKey}} {
 		if err := checkText(f[0], f[1]); err != nil {
 			return kf, err
 		}
@@ -61,13 +67,18 @@ func parseKeysForm(form url.Values) (keysForm, error) {
 	if kf.Key != "" && kf.Source == "" {
 		return kf, fmt.Errorf("a key lookup needs its source")
 	}
-	if b := form.Get("before"); b != "" {
-		t, err := time.Parse(time.RFC3339Nano, b)
-		if err != nil {
-			return kf, fmt.Errorf("before %q is not an RFC 3339 time", truncate(b, 40))
+	b := form.Get("before")
+	if b == "" {
+		if kf.BeforeSource != "" || kf.BeforeKey != "" {
+			return kf, fmt.Errorf("before_source and before_key need before")
 		}
-		kf.Before = pgtype.Timestamptz{Time: t, Valid: true}
+		return kf, nil
 	}
+	t, err := time.Parse(time.RFC3339Nano, b)
+	if err != nil {
+		return kf, fmt.Errorf("before %q is not an RFC 3339 time", truncate(b, 40))
+	}
+	kf.Before = pgtype.Timestamptz{Time: t, Valid: true}
 	return kf, nil
 }
 
@@ -105,14 +116,16 @@ func (d *Dashboard) keys(w http.ResponseWriter, r *http.Request) {
 		d.render(w, r, http.StatusOK, "keys", "keys", "Keys", now, v)
 		return
 	}
-	v.List, err = q.DashKeys(ctx, pgxdb.DashKeysParams{Before: kf.Before, ScanLimit: keysScan, Source: v.Source,
-		Status: v.Status, MaxRows: keysPage})
+	v.List, err = q.DashKeys(ctx, pgxdb.DashKeysParams{Before: kf.Before, BeforeSource: kf.BeforeSource,
+		BeforeKey: kf.BeforeKey, ScanLimit: keysScan, Source: v.Source, Status: v.Status, MaxRows: keysPage})
 	if err != nil {
 		d.fail(w, r, "keys", err)
 		return
 	}
 	if len(v.List) == keysPage {
-		next := url.Values{"before": {v.List[len(v.List)-1].ExpiresAt.Time.Format(time.RFC3339Nano)}}
+		last := v.List[len(v.List)-1]
+		next := url.Values{"before": {last.ExpiresAt.Time.Format(time.RFC3339Nano)},
+			"before_source": {last.Source}, "before_key": {last.Key}}
 		if v.Source != "" {
 			next.Set("source", v.Source)
 		}

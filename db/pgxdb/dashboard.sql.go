@@ -208,22 +208,25 @@ SELECT e.source, e.key, e.first_seen_month, coalesce(e.event_type, '')::text AS 
        coalesce(octet_length(e.result::text), 0)::bigint AS result_bytes,
        coalesce(e.last_error, '')::text AS last_error, e.first_seen, e.expires_at
   FROM (SELECT x.source, x.key, x.first_seen_month, x.event_type, x.status, x.attempts, x.token, x.lease_expires_at, x.fingerprint, x.result, x.last_error, x.retryable, x.first_seen, x.updated_at, x.completed_at, x.expires_at, x.duplicates, x.last_seen_at FROM idem.processed_events x
-         WHERE x.expires_at < $1::timestamptz
-         ORDER BY x.expires_at DESC
-         LIMIT $2::integer) e
- WHERE ($3::text = '' OR e.source = $3::text)
-   AND ($4::text = '' OR e.status = $4::text
-        OR ($4::text = 'stuck' AND e.status = 'processing' AND e.lease_expires_at < idem.clock()))
- ORDER BY e.expires_at DESC
- LIMIT $5::integer
+         WHERE (x.expires_at, x.source, x.key)
+             < ($1::timestamptz, $2::text, $3::text)
+         ORDER BY x.expires_at DESC, x.source DESC, x.key DESC
+         LIMIT $4::integer) e
+ WHERE ($5::text = '' OR e.source = $5::text)
+   AND ($6::text = '' OR e.status = $6::text
+        OR ($6::text = 'stuck' AND e.status = 'processing' AND e.lease_expires_at < idem.clock()))
+ ORDER BY e.expires_at DESC, e.source DESC, e.key DESC
+ LIMIT $7::integer
 `
 
 type DashKeysParams struct {
-	Before    pgtype.Timestamptz
-	ScanLimit int32
-	Source    string
-	Status    string
-	MaxRows   int32
+	Before       pgtype.Timestamptz
+	BeforeSource string
+	BeforeKey    string
+	ScanLimit    int32
+	Source       string
+	Status       string
+	MaxRows      int32
 }
 
 type DashKeysRow struct {
@@ -241,12 +244,19 @@ type DashKeysRow struct {
 	ExpiresAt      pgtype.Timestamptz
 }
 
-// Keys by status, newest expiry first, before `before`: among the
-// scan_limit rows that expire last (the expires_at index), those of the
-// source and status asked (stuck: processing past its lease).
+// Keys by status, newest expiry first, after the cursor (before,
+// before_source, before_key) in the order (expires_at, source, key)
+// descending, so that keys sharing an expires_at are neither skipped nor
+// repeated from one page to the next (with before_source and before_key
+// empty, the rows with expires_at < before): among the scan_limit rows
+// that come first (read on the expires_at index, in order; each run of
+// one expires_at sorted on the way), those of the source and status asked
+// (stuck: processing past its lease).
 func (q *Queries) DashKeys(ctx context.Context, arg DashKeysParams) ([]DashKeysRow, error) {
 	rows, err := q.db.Query(ctx, dashKeys,
 		arg.Before,
+		arg.BeforeSource,
+		arg.BeforeKey,
 		arg.ScanLimit,
 		arg.Source,
 		arg.Status,

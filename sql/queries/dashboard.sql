@@ -55,21 +55,27 @@ SELECT e.source, e.key, e.first_seen_month, coalesce(e.event_type, '')::text AS 
  ORDER BY e.first_seen_month DESC;
 
 -- name: DashKeys :many
--- Keys by status, newest expiry first, before `before`: among the
--- scan_limit rows that expire last (the expires_at index), those of the
--- source and status asked (stuck: processing past its lease).
+-- Keys by status, newest expiry first, after the cursor (before,
+-- before_source, before_key) in the order (expires_at, source, key)
+-- descending, so that keys sharing an expires_at are neither skipped nor
+-- repeated from one page to the next (with before_source and before_key
+-- empty, the rows with expires_at < before): among the scan_limit rows
+-- that come first (read on the expires_at index, in order; each run of
+-- one expires_at sorted on the way), those of the source and status asked
+-- (stuck: processing past its lease).
 SELECT e.source, e.key, e.first_seen_month, coalesce(e.event_type, '')::text AS event_type, e.status, e.attempts,
        e.lease_expires_at, coalesce(e.fingerprint, '')::text AS fingerprint,
        coalesce(octet_length(e.result::text), 0)::bigint AS result_bytes,
        coalesce(e.last_error, '')::text AS last_error, e.first_seen, e.expires_at
   FROM (SELECT x.* FROM idem.processed_events x
-         WHERE x.expires_at < sqlc.arg(before)::timestamptz
-         ORDER BY x.expires_at DESC
+         WHERE (x.expires_at, x.source, x.key)
+             < (sqlc.arg(before)::timestamptz, sqlc.arg(before_source)::text, sqlc.arg(before_key)::text)
+         ORDER BY x.expires_at DESC, x.source DESC, x.key DESC
          LIMIT sqlc.arg(scan_limit)::integer) e
  WHERE (sqlc.arg(source)::text = '' OR e.source = sqlc.arg(source)::text)
    AND (sqlc.arg(status)::text = '' OR e.status = sqlc.arg(status)::text
         OR (sqlc.arg(status)::text = 'stuck' AND e.status = 'processing' AND e.lease_expires_at < idem.clock()))
- ORDER BY e.expires_at DESC
+ ORDER BY e.expires_at DESC, e.source DESC, e.key DESC
  LIMIT sqlc.arg(max_rows)::integer;
 
 -- name: DashPartitions :many
