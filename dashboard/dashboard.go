@@ -93,8 +93,9 @@ type Config struct {
 	// credentials, which the browser keeps for the real name.
 	AllowedHosts []string
 	// Logger logs every action (who asked is the request's remote address
-	// and, when set by your middleware, its Remote-User header) and every
-	// failed query (default: slog.Default()).
+	// and, when set by your middleware, its Remote-User header), every
+	// cross-origin action and request for a host not allowed that it
+	// refuses, and every failed query (default: slog.Default()).
 	Logger *slog.Logger
 }
 
