@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"slices"
 	"time"
 
@@ -80,9 +81,20 @@ func benchDashboard(ctx context.Context, e *env, o options, t *table) error {
 	if err != nil {
 		return err
 	}
+	// A later page of one source's keys: the cursor of the 1,000th by
+	// expiry, as the page's Next link carries it.
+	var curAt time.Time
+	var curSource, curKey string
+	if err := e.pool.QueryRow(ctx, `SELECT expires_at, source, key FROM idem.processed_events WHERE source = 'dash-1'
+		ORDER BY expires_at DESC, source DESC, key DESC OFFSET 999 LIMIT 1`).Scan(&curAt, &curSource, &curKey); err != nil {
+		return err
+	}
+	later := "/keys?" + url.Values{"source": {"dash-1"}, "before": {curAt.UTC().Format(time.RFC3339Nano)},
+		"before_source": {curSource}, "before_key": {curKey}}.Encode()
 	pages := []struct{ name, path string }{
 		{"overview", "/"},
 		{"keys: newest of one source", "/keys?source=dash-1"},
+		{"keys: a later page of one source (cursor)", later},
 		{"keys: failed of one source", "/keys?source=dash-1&status=failed"},
 		{"keys: stuck (processing past lease)", "/keys?status=stuck"},
 		{"keys: one key looked up", "/keys?source=dash-2&key=evt_000000005"},
