@@ -165,6 +165,22 @@ func postHost(t *testing.T, u, host string, form url.Values, header map[string]s
 	return resp.StatusCode, string(b)
 }
 
+// getHost GETs u with the Host header host and returns the status.
+func getHost(t *testing.T, u, host string) int {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodGet, u, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Host = host
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
 func contains(t *testing.T, page, body string, want ...string) {
 	t.Helper()
 	for _, w := range want {
@@ -454,35 +470,15 @@ func TestAllowedHosts(t *testing.T) {
 			t.Fatalf("a request for another host replayed: %d dead letters left", n)
 		}
 		for _, p := range []string{"/", "/keys?source=web", "/dead", "/static/idem.css"} {
-			req, err := http.NewRequest(http.MethodGet, srv.URL+p, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			req.Host = host
-			resp, err := http.DefaultClient.Do(req)
-			if err != nil {
-				t.Fatal(err)
-			}
-			resp.Body.Close()
-			if resp.StatusCode != http.StatusMisdirectedRequest {
-				t.Errorf("GET %s with Host %s: %d", p, host, resp.StatusCode)
+			if code := getHost(t, srv.URL+p, host); code != http.StatusMisdirectedRequest {
+				t.Errorf("GET %s with Host %s: %d", p, host, code)
 			}
 		}
 	})
 	t.Run("allowed names answered", func(t *testing.T) {
 		for _, host := range []string{su.Host, "localhost:" + su.Port(), "LocalHost:" + su.Port(), "[::1]:" + su.Port(), "dash.example", "DASH.example:443"} {
-			req, err := http.NewRequest(http.MethodGet, srv.URL+"/maintenance", nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			req.Host = host
-			resp, err := http.DefaultClient.Do(req)
-			if err != nil {
-				t.Fatal(err)
-			}
-			resp.Body.Close()
-			if resp.StatusCode != http.StatusOK {
-				t.Errorf("GET with Host %s: %d", host, resp.StatusCode)
+			if code := getHost(t, srv.URL+"/maintenance", host); code != http.StatusOK {
+				t.Errorf("GET with Host %s: %d", host, code)
 			}
 		}
 		code, body := postHost(t, srv.URL+"/dead/replay", "localhost:"+su.Port(), confirmed,

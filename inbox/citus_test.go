@@ -2,11 +2,9 @@ package inbox_test
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"fmt"
 	neturl "net/url"
-	"os"
 	"testing"
 	"time"
 
@@ -25,30 +23,8 @@ import (
 // On a distributed idem the inbox refuses to accept and to replay with
 // ErrCitus and writes nothing: no job, no hold, no key.
 func TestCitusRefused(t *testing.T) {
-	url := os.Getenv("IDEM_TEST_CITUS_URL")
-	if url == "" {
-		t.Skip("IDEM_TEST_CITUS_URL is not set: the Citus suite did not run. It needs a Citus coordinator with workers; docs/citus.md says how to start one and run it.")
-	}
+	url := testdb.Citus(t)
 	ctx := context.Background()
-	db, err := sql.Open("pgx", url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer db.Close()
-	for _, q := range []string{
-		`DROP SCHEMA IF EXISTS idem CASCADE`,
-		`SELECT run_command_on_workers('DROP SCHEMA IF EXISTS idem CASCADE')`,
-	} {
-		if _, err := db.ExecContext(ctx, q); err != nil {
-			t.Fatalf("%s: %v", q, err)
-		}
-	}
-	if _, err := migrate.Up(ctx, db); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := migrate.Citus(ctx, db); err != nil {
-		t.Fatal(err)
-	}
 	pool, err := pgxpool.New(ctx, url)
 	if err != nil {
 		t.Fatal(err)

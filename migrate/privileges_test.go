@@ -15,9 +15,15 @@ import (
 // publicRoutines lists the routines of schema idem that PUBLIC may execute.
 func publicRoutines(t *testing.T, ctx context.Context, db *sql.DB) []string {
 	t.Helper()
-	rows, err := db.QueryContext(ctx, `
+	return queryStrings(t, ctx, db, `
 		SELECT p.oid::regprocedure::text FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
 		 WHERE n.nspname = 'idem' AND has_function_privilege('public', p.oid, 'EXECUTE') ORDER BY 1`)
+}
+
+// queryStrings runs q and returns its one text column, row by row.
+func queryStrings(t *testing.T, ctx context.Context, db *sql.DB, q string, args ...any) []string {
+	t.Helper()
+	rows, err := db.QueryContext(ctx, q, args...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -29,6 +35,9 @@ func publicRoutines(t *testing.T, ctx context.Context, db *sql.DB) []string {
 			t.Fatal(err)
 		}
 		out = append(out, s)
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
 	}
 	return out
 }

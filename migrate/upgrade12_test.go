@@ -90,7 +90,7 @@ const distributedRight = "FUNCTION idem.distributed() EXECUTE"
 // PRIVILEGE" for the schema, its routines and its relations.
 func rightsOf(t *testing.T, db *sql.DB, role string) []string {
 	t.Helper()
-	rows, err := db.QueryContext(context.Background(), `
+	return queryStrings(t, context.Background(), db, `
 		SELECT 'SCHEMA ' || n.nspname || ' ' || a.privilege_type
 		  FROM pg_namespace n, aclexplode(n.nspacl) a
 		 WHERE n.nspname = 'idem' AND a.grantee = $1::regrole
@@ -103,22 +103,6 @@ func rightsOf(t *testing.T, db *sql.DB, role string) []string {
 		  FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace, aclexplode(c.relacl) a
 		 WHERE n.nspname = 'idem' AND a.grantee = $1::regrole
 		ORDER BY 1`, role)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rows.Close()
-	var out []string
-	for rows.Next() {
-		var s string
-		if err := rows.Scan(&s); err != nil {
-			t.Fatal(err)
-		}
-		out = append(out, s)
-	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
-	}
-	return out
 }
 
 // mayAskDistributed calls idem.distributed() as role: true when it

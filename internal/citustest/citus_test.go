@@ -7,10 +7,8 @@ package citustest_test
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"fmt"
-	"os"
 	"slices"
 	"strconv"
 	"sync"
@@ -27,44 +25,16 @@ import (
 	"github.com/idemkit/idem/internal/partition"
 	"github.com/idemkit/idem/internal/prune"
 	"github.com/idemkit/idem/internal/sqlstate"
+	"github.com/idemkit/idem/internal/testdb"
 	"github.com/idemkit/idem/migrate"
 )
-
-// EnvURL names the coordinator's database.
-const EnvURL = "IDEM_TEST_CITUS_URL"
 
 // setup gives t a freshly migrated, distributed idem on the Citus
 // coordinator and a pool on it.
 func setup(t *testing.T) *pgxpool.Pool {
 	t.Helper()
-	url := os.Getenv(EnvURL)
-	if url == "" {
-		t.Skip(EnvURL + " is not set: the Citus suite did not run. It needs a Citus coordinator with workers; docs/citus.md says how to start one and run it.")
-	}
 	ctx := context.Background()
-	db, err := sql.Open("pgx", url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer db.Close()
-	for _, q := range []string{
-		`DROP SCHEMA IF EXISTS idem CASCADE`,
-		// The workers' own counters are not distributed objects.
-		`SELECT run_command_on_workers('DROP SCHEMA IF EXISTS idem CASCADE')`,
-	} {
-		if _, err := db.ExecContext(ctx, q); err != nil {
-			t.Fatalf("%s: %v", q, err)
-		}
-	}
-	if _, err := migrate.Up(ctx, db); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := migrate.Citus(ctx, db); err != nil {
-		t.Fatal(err)
-	}
-	if done, err := migrate.Citus(ctx, db); err != nil || len(done) > 0 {
-		t.Fatalf("migrate.Citus again: did %q, %v; want nothing", done, err)
-	}
+	url := testdb.Citus(t)
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		t.Fatal(err)
