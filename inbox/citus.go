@@ -6,7 +6,7 @@ import (
 	"fmt"
 	"sync/atomic"
 
-	"github.com/jackc/pgx/v5"
+	"github.com/idemkit/idem/db/pgxdb"
 )
 
 // ErrCitus: idem is distributed (Citus, idemctl migrate up --citus) and
@@ -20,32 +20,25 @@ var ErrCitus = errors.New("inbox: idem is distributed (Citus), where the inbox d
 // database: 0 not asked yet (or the question failed), 1 no, 2 yes.
 type citusState struct{ v atomic.Int32 }
 
-// querier is what refuseCitus asks through: the pool, or the caller's
-// transaction (AcceptTx: a second connection from a pool the caller's
-// transaction may have exhausted could not be had).
-type querier interface {
-	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-}
-
 // refuseCitus returns ErrCitus on a distributed installation. It asks
-// through q once, and again after a failed question: first whether Citus
-// is installed in the database at all (its catalog pg_dist_partition,
-// which every role may look up: no question of idem's, so it answers at
-// every schema version and for every role); only where it is, whether
-// idem.processed_events is distributed (idem.distributed(), migration 11,
-// which the application's and the maintainer's roles may ask since
-// migration 12).
-func (in *Inbox) refuseCitus(ctx context.Context, q querier) error {
+// through q (the pool, or AcceptTx's transaction: a second connection from
+// a pool the caller's transaction may have exhausted could not be had)
+// once, and again after a failed question: first Citus' catalog
+// (CitusInstalled: no question of idem's, so it answers at every schema
+// version and for every role), and only where Citus is installed
+// idem.distributed() (migrate.Distributed asks the same two queries).
+func (in *Inbox) refuseCitus(ctx context.Context, q pgxdb.DBTX) error {
 	switch in.citus.v.Load() {
 	case 1:
 		return nil
 	case 2:
 		return ErrCitus
 	}
-	var citus, distributed bool
-	err := q.QueryRow(ctx, `SELECT to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL AND to_regprocedure('idem.distributed()') IS NOT NULL`).Scan(&citus)
+	db := pgxdb.New(q)
+	citus, err := db.CitusInstalled(ctx)
+	distributed := false
 	if err == nil && citus {
-		err = q.QueryRow(ctx, `SELECT idem.distributed()`).Scan(&distributed)
+		distributed, err = db.Distributed(ctx)
 	}
 	if err != nil {
 		return fmt.Errorf("inbox: ask whether idem is distributed: %w", err)

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	neturl "net/url"
 	"testing"
 	"time"
 
@@ -128,7 +127,7 @@ func TestAtSchema11(t *testing.T) {
 	if err := admin.QueryRow(ctx, `SELECT has_function_privilege($1, 'idem.distributed()', 'EXECUTE')`, app).Scan(&asks); err != nil || asks {
 		t.Fatalf("the app role may ask idem.distributed() at 11 (%v): the test would prove nothing", err)
 	}
-	pool := testdb.Pool(t, asUser(url, app), 8)
+	pool := testdb.Pool(t, testdb.AsUser(url, app), 8)
 	in, err := inbox.New(inbox.Config{Pool: pool, Handler: func(ctx context.Context, tx pgx.Tx, d *inbox.Delivery) (any, error) {
 		return nil, record(ctx, tx, d)
 	}})
@@ -148,13 +147,4 @@ func TestAtSchema11(t *testing.T) {
 	waitFor(t, "both events processed", func() bool {
 		return count(t, admin, `SELECT count(*) FROM processed WHERE key LIKE 'at11-%'`) == 2
 	})
-}
-
-// asUser is url (a URL or keyword/value string) connecting as role.
-func asUser(dsn, role string) string {
-	if u, err := neturl.Parse(dsn); err == nil && (u.Scheme == "postgres" || u.Scheme == "postgresql") {
-		u.User = neturl.User(role)
-		return u.String()
-	}
-	return dsn + " user=" + role
 }

@@ -4,6 +4,8 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+
+	"github.com/idemkit/idem/db/sqldb"
 )
 
 // Citus makes the idem of this database a distributed one: run on a Citus
@@ -36,13 +38,14 @@ func Citus(ctx context.Context, db *sql.DB) ([]string, error) {
 }
 
 // Distributed reports whether idem.processed_events is a Citus distributed
-// table (false when idem or Citus is not installed, or idem is older than
-// migration 11).
+// table (false when Citus is not installed, or idem is older than
+// migration 11). It asks Citus' catalog first, then idem.distributed()
+// only where Citus is installed, as the inbox does (the same two queries).
 func Distributed(ctx context.Context, db *sql.DB) (bool, error) {
-	var d bool
-	err := db.QueryRowContext(ctx, `SELECT to_regprocedure('idem.distributed()') IS NOT NULL`).Scan(&d)
+	q := sqldb.New(db)
+	d, err := q.CitusInstalled(ctx)
 	if err == nil && d {
-		err = db.QueryRowContext(ctx, `SELECT idem.distributed()`).Scan(&d)
+		d, err = q.Distributed(ctx)
 	}
 	if err != nil {
 		return false, fmt.Errorf("idem/migrate: %w", err)

@@ -27,6 +27,22 @@ func (q *Queries) Cacheable(ctx context.Context) (bool, error) {
 	return cacheable, err
 }
 
+const citusInstalled = `-- name: CitusInstalled :one
+SELECT (to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL
+        AND to_regprocedure('idem.distributed()') IS NOT NULL)::boolean AS installed
+`
+
+// Whether Citus is installed in this database and idem can be asked
+// whether it is distributed (migration 11): asked of the catalog, which
+// every role may read, so it answers at every schema version and for every
+// role. Where it is false, idem is not distributed.
+func (q *Queries) CitusInstalled(ctx context.Context) (bool, error) {
+	row := q.db.QueryRow(ctx, citusInstalled)
+	var installed bool
+	err := row.Scan(&installed)
+	return installed, err
+}
+
 const claim = `-- name: Claim :one
 
 SELECT c.outcome::text             AS outcome,
@@ -181,6 +197,20 @@ func (q *Queries) CompleteUnstored(ctx context.Context, arg CompleteUnstoredPara
 	var outcome string
 	err := row.Scan(&outcome)
 	return outcome, err
+}
+
+const distributed = `-- name: Distributed :one
+SELECT idem.distributed()::boolean AS distributed
+`
+
+// Whether idem.processed_events is a Citus distributed table; ask only
+// where CitusInstalled is true (the application's and maintainer's roles
+// may since migration 12).
+func (q *Queries) Distributed(ctx context.Context) (bool, error) {
+	row := q.db.QueryRow(ctx, distributed)
+	var distributed bool
+	err := row.Scan(&distributed)
+	return distributed, err
 }
 
 const extend = `-- name: Extend :one

@@ -12,6 +12,7 @@ import (
 	"database/sql"
 	"fmt"
 	"math/rand/v2"
+	"net/url"
 	"os"
 	"strings"
 	"sync"
@@ -284,4 +285,13 @@ func PoolAt(t testing.TB, url string, maxConns int32, at time.Time) *pgxpool.Poo
 func MonthStart(t time.Time, add int) time.Time {
 	t = t.UTC()
 	return time.Date(t.Year(), t.Month()+time.Month(add), 1, 0, 0, 0, 0, time.UTC)
+}
+
+// AsUser is dsn (a URL or a keyword/value string) connecting as role.
+func AsUser(dsn, role string) string {
+	if u, err := url.Parse(dsn); err == nil && (u.Scheme == "postgres" || u.Scheme == "postgresql") {
+		u.User = url.User(role)
+		return u.String()
+	}
+	return dsn + " user=" + role
 }

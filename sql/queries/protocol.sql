@@ -74,3 +74,17 @@ SELECT coalesce(p.status, '')::text               AS status,
 -- and runs at READ COMMITTED. Config.Cache inside the caller's transaction.
 SELECT (pg_current_xact_id_if_assigned() IS NULL
         AND current_setting('transaction_isolation') = 'read committed')::bool AS cacheable;
+
+-- name: CitusInstalled :one
+-- Whether Citus is installed in this database and idem can be asked
+-- whether it is distributed (migration 11): asked of the catalog, which
+-- every role may read, so it answers at every schema version and for every
+-- role. Where it is false, idem is not distributed.
+SELECT (to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL
+        AND to_regprocedure('idem.distributed()') IS NOT NULL)::boolean AS installed;
+
+-- name: Distributed :one
+-- Whether idem.processed_events is a Citus distributed table; ask only
+-- where CitusInstalled is true (the application's and maintainer's roles
+-- may since migration 12).
+SELECT idem.distributed()::boolean AS distributed;

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net/url"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -15,15 +14,6 @@ import (
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/testdb"
 )
-
-// asUser is dsn (a URL or key=value string) logging in as role.
-func asUser(dsn, role string) string {
-	if u, err := url.Parse(dsn); err == nil && (u.Scheme == "postgres" || u.Scheme == "postgresql") {
-		u.User = url.User(role)
-		return u.String()
-	}
-	return dsn + " user=" + role
-}
 
 // TestInboxRoles: least privilege with the inbox, in the order a team
 // meets it: idem is migrated without River, the roles are granted, and
@@ -62,7 +52,7 @@ func TestInboxRoles(t *testing.T) {
 	}
 
 	// Web and worker as the application role.
-	appPool := testdb.Pool(t, asUser(dsn, app), 8)
+	appPool := testdb.Pool(t, testdb.AsUser(dsn, app), 8)
 	var fixed atomic.Bool
 	in, err := inbox.New(inbox.Config{Pool: appPool, MaxAttempts: map[string]int{"shop": 1}, Handler: func(ctx context.Context, tx pgx.Tx, d *inbox.Delivery) (any, error) {
 		if d.Key == "order-bad" && !fixed.Load() {
@@ -106,7 +96,7 @@ func TestInboxRoles(t *testing.T) {
 	})
 
 	// The inbox commands as the maintainer role.
-	opsEnv := map[string]string{"DATABASE_URL": asUser(dsn, ops)}
+	opsEnv := map[string]string{"DATABASE_URL": testdb.AsUser(dsn, ops)}
 	if r := idemctl(t, ctx, opsEnv, "stats"); r.code != 0 || !regexpLine(r.out, `^shop\s+3\s+2\s+1\s+0\s+0\s+0\s+0\s+true\s*$`) || strings.Contains(r.out, "inbox:") {
 		t.Fatalf("stats as the maintainer: %d\n%s%s", r.code, r.out, r.errout)
 	}
@@ -122,7 +112,7 @@ func TestInboxRoles(t *testing.T) {
 		t.Fatalf("stats --json as the maintainer: %d\n%s%s", r.code, r.out, r.errout)
 	}
 	// Neither role can do what the other does.
-	ops1 := testdb.Pool(t, asUser(dsn, ops), 1)
+	ops1 := testdb.Pool(t, testdb.AsUser(dsn, ops), 1)
 	if _, err := ops1.Exec(ctx, `SELECT * FROM idem.claim('shop', 'x')`); err == nil {
 		t.Error("the maintainer claimed a key")
 	}
