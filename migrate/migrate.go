@@ -143,6 +143,9 @@ func Up(ctx context.Context, db *sql.DB) ([]*goose.MigrationResult, error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := CheckSchema(ctx, db); err != nil {
+		return nil, err
+	}
 	res, err := p.Up(ctx)
 	if err != nil {
 		return res, err
@@ -192,6 +195,10 @@ func (s schemaStore) CreateVersionTable(ctx context.Context, db database.DBTxCon
 	case rels+routines > 0:
 		return fmt.Errorf("%w (%d relations, %d routines, no idem.goose_db_version): idem installs into a schema of its own; "+
 			"rename yours (ALTER SCHEMA idem RENAME TO ...) or drop it, then migrate again", ErrSchemaInUse, rels, routines)
+	}
+	// An empty schema idem made by someone else keeps its owner and grants.
+	if err := CheckSchema(ctx, db); err != nil {
+		return err
 	}
 	if _, err := db.ExecContext(ctx, "CREATE SCHEMA IF NOT EXISTS "+Schema); err != nil {
 		return fmt.Errorf("create schema %s: %w", Schema, err)

@@ -36,7 +36,7 @@ func TestUpgradeTo12(t *testing.T) {
 		}
 	}
 
-	if _, err := p.Up(ctx); err != nil {
+	if _, err := p.UpTo(ctx, 12); err != nil {
 		t.Fatal(err)
 	}
 	seededAnswered(t, db, "after the upgrade to 12")

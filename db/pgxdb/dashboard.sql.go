@@ -13,8 +13,8 @@ import (
 
 const dashActivity = `-- name: DashActivity :many
 SELECT a.source::text AS source,
-       pg_catalog.to_timestamp(floor(extract(epoch FROM a.minute) / $1::integer)
-                               * $1::integer)::timestamptz AS bucket,
+       pg_catalog.to_timestamp(floor(pg_catalog.date_part('epoch', a.minute) / $1::integer::double precision)
+                               * $1::integer::double precision)::timestamptz AS bucket,
        sum(a.acquired)::bigint   AS acquired,
        sum(a.duplicates)::bigint AS duplicates
   FROM idem.activity a
@@ -329,7 +329,7 @@ SELECT m.partition::text AS name, m.is_default::boolean AS is_default, m.month_f
        m.month_to::date AS month_to, c.reltuples::bigint AS est_rows,
        pg_catalog.pg_total_relation_size(m.partition)::bigint AS total_bytes
   FROM idem.partition_months() m
-  JOIN pg_catalog.pg_class c ON c.oid = m.partition
+  JOIN pg_catalog.pg_class c ON c.oid = m.partition::oid
  ORDER BY m.month_from NULLS LAST
 `
 
@@ -373,8 +373,8 @@ func (q *Queries) DashPartitions(ctx context.Context) ([]DashPartitionsRow, erro
 
 const dashPolicies = `-- name: DashPolicies :many
 SELECT p.source::text                                 AS source,
-       (extract(epoch FROM p.ttl) * 1000)::bigint      AS ttl_ms,
-       (extract(epoch FROM p.lease) * 1000)::bigint    AS lease_ms,
+       (pg_catalog.date_part('epoch', p.ttl) * 1000::double precision)::bigint      AS ttl_ms,
+       (pg_catalog.date_part('epoch', p.lease) * 1000::double precision)::bigint    AS lease_ms,
        coalesce(p.max_attempts, 0)::integer            AS max_attempts,
        p.duplicate_sampling::integer                   AS duplicate_sampling
   FROM idem.policies p
@@ -466,7 +466,7 @@ func (q *Queries) DashRuns(ctx context.Context, perJob int32) ([]DashRunsRow, er
 }
 
 const dashSnapshots = `-- name: DashSnapshots :many
-SELECT s.source::text AS source, s.taken_at, (extract(epoch FROM s.took) * 1000)::bigint AS took_ms,
+SELECT s.source::text AS source, s.taken_at, (pg_catalog.date_part('epoch', s.took) * 1000::double precision)::bigint AS took_ms,
        s.keys, s.processing, s.completed, s.unstored, s.released, s.failed, s.retried, s.stuck, s.expired,
        s.oldest, s.newest
   FROM idem.source_snapshots s

@@ -11,6 +11,69 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
+const audit = `-- name: Audit :many
+SELECT a.problem::text AS problem, a.fix::text AS fix FROM idem.audit() AS a
+`
+
+type AuditRow struct {
+	Problem string
+	Fix     string
+}
+
+// Who may do what, as idemctl check reports it (migration 14).
+func (q *Queries) Audit(ctx context.Context) ([]AuditRow, error) {
+	rows, err := q.db.Query(ctx, audit)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []AuditRow
+	for rows.Next() {
+		var i AuditRow
+		if err := rows.Scan(&i.Problem, &i.Fix); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const checkPruneArgs = `-- name: CheckPruneArgs :exec
+SELECT idem.check_prune_args($1::integer, $2::integer)
+`
+
+type CheckPruneArgsParams struct {
+	BatchSize  int32
+	MaxBatches int32
+}
+
+// The bounds of CALL idem.prune()'s arguments (22023 when out of range).
+func (q *Queries) CheckPruneArgs(ctx context.Context, arg CheckPruneArgsParams) error {
+	_, err := q.db.Exec(ctx, checkPruneArgs, arg.BatchSize, arg.MaxBatches)
+	return err
+}
+
+const checkRotateArgs = `-- name: CheckRotateArgs :one
+SELECT idem.check_rotate_args($1::integer,
+                              $2::bigint::double precision * interval '1 millisecond')::text AS lock_timeout
+`
+
+type CheckRotateArgsParams struct {
+	Premake    int32
+	LockWaitMs int64
+}
+
+// The bounds of CALL idem.rotate()'s arguments (22023 when out of range).
+func (q *Queries) CheckRotateArgs(ctx context.Context, arg CheckRotateArgsParams) (string, error) {
+	row := q.db.QueryRow(ctx, checkRotateArgs, arg.Premake, arg.LockWaitMs)
+	var lock_timeout string
+	err := row.Scan(&lock_timeout)
+	return lock_timeout, err
+}
+
 const compactDuplicateCounts = `-- name: CompactDuplicateCounts :one
 SELECT idem.compact_duplicate_counts()::bigint AS folded
 `
@@ -112,6 +175,21 @@ func (q *Queries) ListPartitions(ctx context.Context) ([]ListPartitionsRow, erro
 	return items, nil
 }
 
+const monthInDefault = `-- name: MonthInDefault :one
+SELECT EXISTS (SELECT 1 FROM idem.processed_events_default d
+                WHERE d.first_seen_month >= $1::date
+                  AND d.first_seen_month < ($1::date + interval '1 month')::date)::boolean AS in_default
+`
+
+// Whether rows of the month are in the default partition (it gets no
+// partition while they are).
+func (q *Queries) MonthInDefault(ctx context.Context, month pgtype.Date) (bool, error) {
+	row := q.db.QueryRow(ctx, monthInDefault, month)
+	var in_default bool
+	err := row.Scan(&in_default)
+	return in_default, err
+}
+
 const monthsToCreate = `-- name: MonthsToCreate :many
 SELECT m::date AS month FROM idem.months_to_create($1::integer) AS m
 `
@@ -175,6 +253,19 @@ func (q *Queries) PartitionMonths(ctx context.Context) ([]PartitionMonthsRow, er
 		return nil, err
 	}
 	return items, nil
+}
+
+const partitionStep = `-- name: PartitionStep :one
+SELECT idem.partition_step($1::date)::text AS result
+`
+
+// One step of making a month's partition (migration 14): 'exists',
+// 'created', 'continue' (call again, in a new transaction) or 'kept: ...'.
+func (q *Queries) PartitionStep(ctx context.Context, month pgtype.Date) (string, error) {
+	row := q.db.QueryRow(ctx, partitionStep, month)
+	var result string
+	err := row.Scan(&result)
+	return result, err
 }
 
 const partitionsToRetire = `-- name: PartitionsToRetire :many
@@ -433,7 +524,7 @@ const stuckLeases = `-- name: StuckLeases :one
 SELECT count(*)::bigint AS stuck
   FROM idem.processed_events e
  WHERE e.status = 'processing'
-   AND e.lease_expires_at < idem.clock() - $1::bigint * interval '1 millisecond'
+   AND e.lease_expires_at < idem.clock() - $1::bigint::double precision * interval '1 millisecond'
 `
 
 // Keys still processing whose lease ended more than grace ago.
@@ -450,7 +541,7 @@ SELECT l.acquired::boolean             AS acquired,
        l.lock_holder::text             AS holder,
        l.lock_expires_at::timestamptz  AS expires_at
   FROM idem.try_lock($1::text, $2::text,
-                     $3::bigint * interval '1 millisecond') AS l
+                     $3::bigint::double precision * interval '1 millisecond') AS l
 `
 
 type TryLockParams struct {

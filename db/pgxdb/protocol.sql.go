@@ -53,7 +53,7 @@ SELECT c.outcome::text             AS outcome,
        coalesce(c.error, '')::text AS error,
        c.first_seen::timestamptz   AS first_seen,
        c.expires_at::timestamptz   AS expires_at,
-       coalesce(floor(extract(epoch FROM c.lease_remaining) * 1000), 0)::bigint AS lease_remaining_ms
+       coalesce(floor(pg_catalog.date_part('epoch', c.lease_remaining) * 1000::double precision), 0)::bigint AS lease_remaining_ms
   FROM idem.claim(
          $1::text,
          $2::text,

@@ -6,7 +6,13 @@ package maintcfg
 import (
 	"errors"
 	"fmt"
+	"math"
+	"time"
 )
+
+// MaxTimeout is the longest lock_timeout or statement_timeout PostgreSQL
+// takes (2,147,483,647 ms, about 24.8 days).
+const MaxTimeout = time.Duration(math.MaxInt32) * time.Millisecond
 
 // ErrInvalidConfig is matched by every *Error.
 var ErrInvalidConfig = errors.New("invalid maintenance configuration")

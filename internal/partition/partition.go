@@ -1,6 +1,8 @@
 // Package partition rotates idem.processed_events' monthly partitions:
-// premake the months ahead, move rows that landed in the default partition
-// into their month, and retire past months whose rows have all expired.
+// premake the months ahead and retire past months whose rows have all
+// expired. Rows that landed in the default partition stay there until
+// prune deletes them (moving them would lock the partition every claim
+// reads); their months get no partition meanwhile.
 //
 // Every DDL step runs in its own short transaction with SET LOCAL
 // lock_timeout, so a long transaction on the table makes rotation wait at
@@ -15,6 +17,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"math/rand/v2"
 	"strings"
 	"time"
@@ -48,18 +51,19 @@ const (
 // Validate says what is wrong with one.
 type Config struct {
 	// Premake is how many months after the current one must have a
-	// partition, 0 to 120. nil: DefaultPremake (3), as CALL idem.rotate().
+	// partition, 0 to 24 (idem.check_rotate_args). nil: DefaultPremake
+	// (3), as CALL idem.rotate().
 	Premake *int
 	// KeepDetached retires months by DETACH instead of DROP, leaving the
 	// table for archiving. Default false (drop).
 	KeepDetached bool
 	// LockTimeout bounds each DDL step's wait for its locks (and so how
-	// long claims can queue behind rotation's lock request). Must be
-	// positive. nil: DefaultLockTimeout (2s).
+	// long claims can queue behind rotation's lock request), 1ms to 1h
+	// (idem.check_rotate_args). nil: DefaultLockTimeout (2s).
 	LockTimeout *time.Duration
-	// StatementTimeout bounds each step (moving rows out of the default
-	// partition can take a while). nil: DefaultStatementTimeout (5m); 0:
-	// none.
+	// StatementTimeout bounds each step (validating the default
+	// partition reads it whole, without blocking claims). nil:
+	// DefaultStatementTimeout (5m); 0: none.
 	StatementTimeout *time.Duration
 	// Retries is how many times a step that timed out on a lock is tried
 	// again (with doubling, jittered backoff from Backoff). nil:
@@ -88,12 +92,11 @@ type ConfigError = maintcfg.Error
 func (c Config) Validate() error {
 	bad := func(field, format string, a ...any) error { return maintcfg.Bad("rotate", field, format, a...) }
 	switch {
-	case c.Premake != nil && (*c.Premake < 0 || *c.Premake > 120):
-		return bad("Premake", "%d is out of range (0 to 120 months)", *c.Premake)
-	case c.LockTimeout != nil && *c.LockTimeout < time.Millisecond:
-		return bad("LockTimeout", "%s must be at least 1ms: without one a DDL step waits without limit and claims queue behind it", *c.LockTimeout)
-	case c.StatementTimeout != nil && *c.StatementTimeout < 0:
-		return bad("StatementTimeout", "%s is negative", *c.StatementTimeout)
+	// Premake and LockTimeout are CALL idem.rotate()'s premake and
+	// lock_wait: their bounds are the database's (CheckConfig), one rule
+	// for both.
+	case c.StatementTimeout != nil && (*c.StatementTimeout < 0 || *c.StatementTimeout > maintcfg.MaxTimeout):
+		return bad("StatementTimeout", "%s is out of range (0 to %s, PostgreSQL's limit)", *c.StatementTimeout, maintcfg.MaxTimeout)
 	case c.Retries != nil && (*c.Retries < 0 || *c.Retries > 100):
 		return bad("Retries", "%d is out of range (0 to 100)", *c.Retries)
 	case c.Backoff != nil && *c.Backoff < 0:
@@ -134,6 +137,34 @@ func (c Config) settings() (settings, error) {
 		s.holder = maintlock.NewHolderID()
 	}
 	return s, nil
+}
+
+// CheckConfig checks cfg against the database's bounds for CALL
+// idem.rotate()'s arguments (idem.check_rotate_args), after Validate: a
+// value out of range is a *ConfigError naming the field.
+func CheckConfig(ctx context.Context, q *pgxdb.Queries, cfg Config) error {
+	c, err := cfg.settings()
+	if err != nil {
+		return err
+	}
+	return c.check(ctx, q)
+}
+
+func (c settings) check(ctx context.Context, q *pgxdb.Queries) error {
+	_, err := q.CheckRotateArgs(ctx, pgxdb.CheckRotateArgsParams{Premake: int32(min(c.premake, math.MaxInt32)), LockWaitMs: c.lockTimeout.Milliseconds()})
+	if sqlstate.Of(err) != sqlstate.InvalidParameterValue {
+		return err
+	}
+	// The database's range, with the value as it was given.
+	msg := sqlstate.Message(err)
+	rng := msg
+	if i := strings.Index(msg, " is out of range"); i >= 0 {
+		rng = msg[i:]
+	}
+	if strings.HasPrefix(msg, "premake") {
+		return maintcfg.Bad("rotate", "Premake", "%d%s", c.premake, rng)
+	}
+	return maintcfg.Bad("rotate", "LockTimeout", "%s%s", c.lockTimeout, rng)
 }
 
 // Step is one thing rotation did or tried.
@@ -206,6 +237,9 @@ func Rotate(ctx context.Context, pool *pgxpool.Pool, cfg Config) (*Result, error
 
 func (c settings) rotate(ctx context.Context, pool *pgxpool.Pool) (*Result, error) {
 	q := pgxdb.New(pool)
+	if err := c.check(ctx, q); err != nil {
+		return nil, err
+	}
 	lock := maintlock.New(q, LockName, c.holder, c.lockTTL)
 	held, err := lock.Take(ctx, c.log)
 	if err != nil {
@@ -223,14 +257,16 @@ func (c settings) rotate(ctx context.Context, pool *pgxpool.Pool) (*Result, erro
 	}
 	for _, m := range months {
 		month := m.Time.Format("2006-01")
-		out, err := c.step(ctx, pool, func(q *pgxdb.Queries) (string, error) {
-			if _, err := q.CreatePartition(ctx, m); err != nil {
-				return "", err
+		// idem.partition_step, one step a transaction, until it says what
+		// became of the month.
+		out := "continue"
+		for out == "continue" {
+			out, err = c.step(ctx, pool, func(q *pgxdb.Queries) (string, error) {
+				return q.PartitionStep(ctx, m)
+			})
+			if err != nil {
+				return res, fmt.Errorf("create the partition for %s: %w", month, err)
 			}
-			return "created", nil
-		})
-		if err != nil {
-			return res, fmt.Errorf("create the partition for %s: %w", month, err)
 		}
 		res.add(ctx, c.log, Step{"create", month, out})
 	}

@@ -144,8 +144,10 @@ func (c Config) Validate() error {
 		return bad("LockTTL", "%s is out of range (1ms to 24h)", *c.LockTTL)
 	case c.LockTimeout != nil && *c.LockTimeout < time.Millisecond:
 		return bad("LockTimeout", "%s must be at least 1ms: without one a batch could wait behind a DDL without limit", *c.LockTimeout)
-	case c.StatementTimeout != nil && *c.StatementTimeout < 0:
-		return bad("StatementTimeout", "%s is negative", *c.StatementTimeout)
+	case c.LockTimeout != nil && *c.LockTimeout > maintcfg.MaxTimeout:
+		return bad("LockTimeout", "%s is over PostgreSQL's limit (%s)", *c.LockTimeout, maintcfg.MaxTimeout)
+	case c.StatementTimeout != nil && (*c.StatementTimeout < 0 || *c.StatementTimeout > maintcfg.MaxTimeout):
+		return bad("StatementTimeout", "%s is out of range (0 to %s, PostgreSQL's limit)", *c.StatementTimeout, maintcfg.MaxTimeout)
 	case c.Retries != nil && *c.Retries < 0:
 		return bad("Retries", "%d is negative", *c.Retries)
 	}

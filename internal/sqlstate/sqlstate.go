@@ -29,6 +29,13 @@ const (
 	// NotDelegated: on Citus, idem.claim ran on a node that does not hold
 	// its key's shard (migration 11).
 	NotDelegated = "ID005"
+	// NotIdemsPartition: a table has a month's partition name but idem did
+	// not make it (idem.partition_step, migration 14).
+	NotIdemsPartition = "ID007"
+	// RoleConflict: a grant would give one role both the application's and
+	// the maintainer's rights (idem.grant_app, idem.grant_maintainer,
+	// migration 14).
+	RoleConflict = "ID008"
 )
 
 // PostgreSQL's conditions that idem's functions also raise, with the
@@ -71,6 +78,19 @@ func Of(err error) string {
 		return pg.Code
 	}
 	return ""
+}
+
+// Message returns the server's message for err, or err's text when err is
+// not an error from the server.
+func Message(err error) string {
+	var pg *pgconn.PgError
+	if errors.As(err, &pg) {
+		return pg.Message
+	}
+	if err == nil {
+		return ""
+	}
+	return err.Error()
 }
 
 // Class returns the two-letter class of err's SQLSTATE, or "".

@@ -6,7 +6,7 @@ SELECT l.acquired::boolean             AS acquired,
        l.lock_holder::text             AS holder,
        l.lock_expires_at::timestamptz  AS expires_at
   FROM idem.try_lock(sqlc.arg(name)::text, sqlc.arg(holder)::text,
-                     sqlc.narg(ttl_ms)::bigint * interval '1 millisecond') AS l;
+                     sqlc.narg(ttl_ms)::bigint::double precision * interval '1 millisecond') AS l;
 
 -- name: ReleaseLock :one
 SELECT idem.release_lock(sqlc.arg(name)::text, sqlc.arg(holder)::text)::boolean AS released;
@@ -43,6 +43,24 @@ SELECT m::date AS month FROM idem.months_to_create(sqlc.arg(premake)::integer) A
 -- name: CreatePartition :one
 SELECT idem.create_partition(sqlc.arg(month)::date)::text AS name;
 
+-- name: PartitionStep :one
+-- One step of making a month's partition (migration 14): 'exists',
+-- 'created', 'continue' (call again, in a new transaction) or 'kept: ...'.
+SELECT idem.partition_step(sqlc.arg(month)::date)::text AS result;
+
+-- name: CheckRotateArgs :one
+-- The bounds of CALL idem.rotate()'s arguments (22023 when out of range).
+SELECT idem.check_rotate_args(sqlc.arg(premake)::integer,
+                              sqlc.arg(lock_wait_ms)::bigint::double precision * interval '1 millisecond')::text AS lock_timeout;
+
+-- name: CheckPruneArgs :exec
+-- The bounds of CALL idem.prune()'s arguments (22023 when out of range).
+SELECT idem.check_prune_args(sqlc.arg(batch_size)::integer, sqlc.arg(max_batches)::integer);
+
+-- name: Audit :many
+-- Who may do what, as idemctl check reports it (migration 14).
+SELECT a.problem::text AS problem, a.fix::text AS fix FROM idem.audit() AS a;
+
 -- name: RetirePartition :one
 SELECT idem.retire_partition(sqlc.arg(name)::text::regclass, sqlc.arg(keep_detached)::boolean)::text AS result;
 
@@ -54,6 +72,13 @@ SELECT idem.drop_detached(sqlc.arg(name)::text::regclass)::text AS result;
 
 -- name: DefaultPartitionRows :one
 SELECT count(*)::bigint AS rows FROM idem.processed_events_default;
+
+-- name: MonthInDefault :one
+-- Whether rows of the month are in the default partition (it gets no
+-- partition while they are).
+SELECT EXISTS (SELECT 1 FROM idem.processed_events_default d
+                WHERE d.first_seen_month >= sqlc.arg(month)::date
+                  AND d.first_seen_month < (sqlc.arg(month)::date + interval '1 month')::date)::boolean AS in_default;
 
 -- name: CurrentMonth :one
 SELECT idem.utc_month(idem.clock())::date AS month;
@@ -100,7 +125,7 @@ SELECT idem.record_run(sqlc.arg(job)::text, sqlc.arg(started_at)::timestamptz, s
 SELECT count(*)::bigint AS stuck
   FROM idem.processed_events e
  WHERE e.status = 'processing'
-   AND e.lease_expires_at < idem.clock() - sqlc.arg(grace_ms)::bigint * interval '1 millisecond';
+   AND e.lease_expires_at < idem.clock() - sqlc.arg(grace_ms)::bigint::double precision * interval '1 millisecond';
 
 -- name: PublicRoutines :many
 -- Routines of schema idem that PUBLIC may execute (there should be none).

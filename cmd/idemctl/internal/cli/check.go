@@ -92,17 +92,27 @@ func measure(ctx context.Context, pool *pgxpool.Pool, c checkConfig) (*health, e
 		return nil, err
 	}
 	h.MonthsAhead = ahead
-	if !hasCurrent {
-		h.Problems = append(h.Problems, "the current month has no partition (claims go to the default partition): run `idemctl partitions rotate`")
-	}
-	if h.MonthsAhead < c.minPremade {
-		h.Problems = append(h.Problems, fmt.Sprintf("only %d months after this one have a partition, want %d: run `idemctl partitions rotate`", h.MonthsAhead, c.minPremade))
-	}
 	if h.DefaultRows, err = q.DefaultPartitionRows(ctx); err != nil {
 		return nil, err
 	}
-	if h.DefaultRows > 0 {
-		h.Problems = append(h.Problems, fmt.Sprintf("%d rows sit in the default partition: run `idemctl partitions rotate` to move them into their months", h.DefaultRows))
+	// Rows in the default partition stay there until prune deletes them
+	// (claims find them there); a month with rows there gets no partition
+	// meanwhile, so only a month rotation can make is a problem.
+	if !hasCurrent {
+		current, err := q.CurrentMonth(ctx)
+		if err != nil {
+			return nil, err
+		}
+		inDefault, err := q.MonthInDefault(ctx, current)
+		if err != nil {
+			return nil, err
+		}
+		if !inDefault {
+			h.Problems = append(h.Problems, "the current month has no partition (claims go to the default partition): run `idemctl partitions rotate`")
+		}
+	}
+	if h.MonthsAhead < c.minPremade {
+		h.Problems = append(h.Problems, fmt.Sprintf("only %d months after this one have a partition, want %d: run `idemctl partitions rotate`", h.MonthsAhead, c.minPremade))
 	}
 	if h.Expired, err = q.PrunableRows(ctx); err != nil {
 		return nil, err
@@ -130,6 +140,15 @@ func measure(ctx context.Context, pool *pgxpool.Pool, c checkConfig) (*health, e
 		case s.Unaccounted > 0:
 			h.Problems = append(h.Problems, fmt.Sprintf("inbox %s: %d accepted events have no job that will run them: a worker client repairs them (inbox.Repair), or replay after it dead-letters them", s.Source, s.Unaccounted))
 		}
+	}
+	// Who may do what: a role that is both, CREATE on schema idem for
+	// others, a table posing as a month, a half-made month.
+	audit, err := q.Audit(ctx)
+	if err != nil {
+		return nil, err
+	}
+	for _, a := range audit {
+		h.Problems = append(h.Problems, a.Problem+": "+a.Fix)
 	}
 	public, err := q.PublicRoutines(ctx)
 	if err != nil {

@@ -69,6 +69,9 @@ func runMigrate(ctx context.Context, io IO, g *globals, args []string) error {
 	}
 	switch sub {
 	case "up":
+		if err := migrate.CheckSchema(ctx, db); err != nil {
+			return err
+		}
 		var res []*goose.MigrationResult
 		if to != nil {
 			res, err = p.UpTo(ctx, *to)

@@ -2,42 +2,56 @@ package cli
 
 import (
 	"context"
+	"fmt"
+	"io/fs"
+	"slices"
 	"strings"
 	"testing"
 
 	"github.com/idemkit/idem/internal/testdb"
+	"github.com/idemkit/idem/migrate"
 )
+
+// migrationFiles lists the migrations' file names, oldest first.
+func migrationFiles(t *testing.T) []string {
+	t.Helper()
+	files, err := fs.Glob(migrate.FS(), "*.sql")
+	if err != nil || len(files) < 5 {
+		t.Fatalf("migrations: %v %v", files, err)
+	}
+	slices.Sort(files)
+	return files
+}
 
 func TestMigrateCommand(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	url := testdb.NewEmpty(t)
 	env := map[string]string{"DATABASE_URL": url} // the fallback when --database-url is absent
-	steps := []struct {
+	type step struct {
 		args []string
 		want string
-	}{
-		{[]string{"migrate", "up"}, "applied 00013_idem_claim_citus.sql"},
+	}
+	files := migrationFiles(t)
+	steps := []step{
+		{[]string{"migrate", "up"}, "applied " + files[len(files)-1]},
 		{[]string{"migrate", "up"}, "idem schema is up to date"},
-		{[]string{"migrate", "version"}, "13"},
+		{[]string{"migrate", "version"}, fmt.Sprint(migrate.Latest())},
 		{[]string{"migrate", "status"}, "00001_idem_core.sql                      applied"},
 		{[]string{"migrate", "status", "--citus"}, ""}, // replaced below: --citus is for up
-		{[]string{"migrate", "down"}, "rolled back 00013_idem_claim_citus.sql"},
-		{[]string{"migrate", "down"}, "rolled back 00012_idem_rights.sql"},
-		{[]string{"migrate", "down"}, "rolled back 00011_idem_citus.sql"},
-		{[]string{"migrate", "down"}, "rolled back 00010_idem_dashboard.sql"},
-		{[]string{"migrate", "down"}, "rolled back 00009_idem_adopt.sql"},
-		{[]string{"migrate", "down"}, "rolled back 00008_idem_wait.sql"},
-		{[]string{"migrate", "down"}, "rolled back 00007_idem_inbox_holds.sql"},
-		{[]string{"migrate", "down"}, "rolled back 00006_idem_maintenance_steps.sql"},
-		{[]string{"migrate", "down"}, "rolled back 00005_idem_claim_v2.sql"},
+	}
+	// One down at a time, from the newest to version 5.
+	for i := len(files) - 1; i >= 4; i-- {
+		steps = append(steps, step{[]string{"migrate", "down"}, "rolled back " + files[i]})
+	}
+	steps = append(steps, []step{
 		{[]string{"migrate", "up", "--to", "4"}, "idem schema is up to date"},
 		{[]string{"migrate", "version"}, "4"},
 		{[]string{"migrate", "down", "--to", "0"}, "rolled back 00001_idem_core.sql"},
 		{[]string{"migrate", "down"}, "nothing to roll back"},
 		{[]string{"migrate", "version"}, "0"},
 		{[]string{"migrate", "up"}, "applied 00001_idem_core.sql"},
-	}
+	}...)
 	for _, s := range steps {
 		if len(s.args) == 3 && s.args[2] == "--citus" {
 			// --citus elsewhere than up is a usage error; on up without

@@ -26,7 +26,7 @@ type rotateFlags struct {
 // register adds rotation's flags; prefix names them apart where prune's
 // flags are registered too (idemctl run: --rotate-lock-ttl).
 func (r *rotateFlags) register(fs *flag.FlagSet, prefix string) {
-	optInt(fs, &r.cfg.Premake, "premake", partition.DefaultPremake, "months after the current one that must have a partition, 0 to 120")
+	optInt(fs, &r.cfg.Premake, "premake", partition.DefaultPremake, "months after the current one that must have a partition, 0 to 24")
 	fs.BoolVar(&r.cfg.KeepDetached, "keep-detached", false, "retire months by DETACH (keep the table) instead of DROP")
 	optInt(fs, &r.cfg.Retries, "retries", partition.DefaultRetries, "retries of a step that timed out on a lock (doubling backoff); 0: none")
 	optDuration(fs, &r.cfg.Backoff, "backoff", partition.DefaultBackoff.String(), "first pause before a retry; 0: none")
@@ -85,6 +85,10 @@ func runPartitions(ctx context.Context, io IO, g *globals, args []string) error 
 	}
 	r.cfg.Logger = log
 	res, err := partition.Rotate(ctx, pool, r.cfg)
+	if errors.Is(err, partition.ErrInvalidConfig) {
+		// The database's bounds (idem.check_rotate_args): a usage error.
+		return configErr(err, rotateFlagNames(""))
+	}
 	if res != nil {
 		reportRotate(io, res)
 	}

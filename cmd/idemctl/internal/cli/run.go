@@ -2,6 +2,7 @@ package cli
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net"
@@ -104,6 +105,15 @@ func runDaemon(ctx context.Context, io IO, g *globals, args []string) error {
 		return err
 	}
 	defer pool.Close()
+	// The rotation's flags against the database's bounds, before any job
+	// is scheduled: out of range is a usage error now, not a failure at
+	// every run.
+	if err := partition.CheckConfig(ctx, pgxdb.New(pool), rf.cfg); err != nil {
+		if errors.Is(err, partition.ErrInvalidConfig) {
+			return configErr(err, rotateFlagNames("rotate-"))
+		}
+		return err
+	}
 
 	m := newMetrics(pool)
 	pf.cfg.Logger = log.With(slog.String("job", "prune"))
@@ -126,6 +136,12 @@ func runDaemon(ctx context.Context, io IO, g *globals, args []string) error {
 		return "ok", nil
 	}))
 	statsID := c.Schedule(statsSched, m.job(ctx, log, "snapshot", snapshotJob(pool, log)))
+	// Each job's last success exists from the start (the daemon's start
+	// time until a run succeeds): "no successful prune for two hours" then
+	// fires even when no run ever succeeds, or none ever ends.
+	for _, job := range []string{"prune", "rotate", "snapshot"} {
+		m.lastOK.WithLabelValues(job).SetToCurrentTime()
+	}
 	if testHook != nil {
 		testHook(c, m)
 	}
@@ -236,7 +252,7 @@ func newMetrics(pool *pgxpool.Pool) *metrics {
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "idem_job_duration_seconds",
 			Help: "How long each job run took.", Buckets: prometheus.ExponentialBuckets(0.01, 4, 10)}, []string{"job"}),
 		lastOK: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "idem_job_last_success_timestamp_seconds",
-			Help: "Unix time of the last successful run of each job."}, []string{"job"}),
+			Help: "Unix time of the last successful run of each job (the daemon's start until one succeeds)."}, []string{"job"}),
 		deleted: prometheus.NewCounter(prometheus.CounterOpts{Name: "idem_prune_rows_deleted_total",
 			Help: "Expired rows deleted by prune."}),
 		stuck: prometheus.NewGauge(prometheus.GaugeOpts{Name: "idem_stuck_leases",

@@ -1,0 +1,74 @@
+package migrate
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"strings"
+)
+
+// ErrUnsafeSchema: schema idem exists and is owned by, or lets create
+// objects in it, a role other than the one migrating. Such a role could
+// drop idem's tables, or plant a table under a future month's partition
+// name; migrating into it would hand idem's objects to it.
+var ErrUnsafeSchema = errors.New("idem/migrate: schema idem is owned by, or writable by, another role")
+
+// UnsafeSchemaError says who owns or may write schema idem, and the
+// statements that make it safe.
+type UnsafeSchemaError struct {
+	Migrator string   // the role migrating (current_user)
+	Owner    string   // the schema's owner
+	Writers  []string // roles other than the owner with CREATE on it ("PUBLIC" for everyone)
+}
+
+func (e *UnsafeSchemaError) Error() string {
+	var what, fix []string
+	if e.Owner != e.Migrator {
+		what = append(what, fmt.Sprintf("it is owned by %s, not by %s who migrates", e.Owner, e.Migrator))
+		fix = append(fix, fmt.Sprintf("ALTER SCHEMA idem OWNER TO %s;", e.Migrator))
+	}
+	if len(e.Writers) > 0 {
+		what = append(what, fmt.Sprintf("%s may create objects in it", strings.Join(e.Writers, ", ")))
+		for _, w := range e.Writers {
+			fix = append(fix, fmt.Sprintf("REVOKE CREATE ON SCHEMA idem FROM %s;", w))
+		}
+	}
+	return fmt.Sprintf("%v: %s. Run, as its owner or a superuser: %s (then inspect what is in schema idem), and migrate again",
+		ErrUnsafeSchema, strings.Join(what, "; "), strings.Join(fix, " "))
+}
+
+func (e *UnsafeSchemaError) Is(target error) bool { return target == ErrUnsafeSchema }
+
+type queryRower interface {
+	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
+}
+
+// CheckSchema returns an *UnsafeSchemaError when schema idem exists and
+// someone other than the migrating role owns it or may create in it.
+func CheckSchema(ctx context.Context, db queryRower) error {
+	var e UnsafeSchemaError
+	var writers string
+	err := db.QueryRowContext(ctx, `
+		SELECT n.nspowner::pg_catalog.regrole::text, current_user::text,
+		       coalesce(pg_catalog.string_agg(
+		           coalesce(NULLIF(a.grantee, 0::oid)::pg_catalog.regrole::text, 'PUBLIC'), ',' ORDER BY a.grantee)
+		           FILTER (WHERE a.privilege_type = 'CREATE' AND a.grantee <> n.nspowner), '')
+		  FROM pg_catalog.pg_namespace n
+		  LEFT JOIN LATERAL pg_catalog.aclexplode(n.nspacl) a ON true
+		 WHERE n.nspname = $1
+		 GROUP BY n.nspowner`, Schema).Scan(&e.Owner, &e.Migrator, &writers)
+	switch {
+	case errors.Is(err, sql.ErrNoRows):
+		return nil
+	case err != nil:
+		return fmt.Errorf("idem/migrate: look at schema %s: %w", Schema, err)
+	}
+	if writers != "" {
+		e.Writers = strings.Split(writers, ",")
+	}
+	if e.Owner != e.Migrator || len(e.Writers) > 0 {
+		return &e
+	}
+	return nil
+}
