@@ -18,8 +18,11 @@
 //
 // Presets verify and extract the key the way real senders sign and send
 // it: Stripe (event id in the body), GitHub (X-GitHub-Delivery), Shopify
-// (X-Shopify-Event-Id), Standard Webhooks / Svix (webhook-id). It is plain net/http, so it wraps
-// chi, echo and gin handlers through their net/http adapters.
+// (X-Shopify-Event-Id), Standard Webhooks / Svix (webhook-id or svix-id,
+// whichever the signature covers); docs/senders.md says, per sender, what
+// the signature proves and where each decision comes from. It is plain
+// net/http, so it wraps chi, echo and gin handlers through their net/http
+// adapters.
 package idemhttp
 
 import (
