@@ -430,7 +430,7 @@ func TestCapturedCopiesRaceTheRetry(t *testing.T) {
 		"svix":              {"svix-id", "svix-timestamp", "svix-signature"},
 	}
 	typeValue := map[string]string{"X-GitHub-Event": "ping", "X-Shopify-Topic": "app/uninstalled"}
-	added := []string{"webhook-id", "svix-id", "webhook-signature", "X-GitHub-Delivery", "X-GitHub-Event", "X-GitHub-Hook-Id",
+	added := []string{"webhook-id", "webhook-timestamp", "webhook-signature", "svix-id", "svix-timestamp", "svix-signature", "X-GitHub-Delivery", "X-GitHub-Event", "X-GitHub-Hook-Id",
 		"X-GitHub-Hook-Installation-Target-Id", "X-GitHub-Hook-Installation-Target-Type", "X-Shopify-Event-Id",
 		"X-Shopify-Webhook-Id", "X-Shopify-Topic", "X-Shopify-Shop-Domain", "X-Shopify-Api-Version", "Idempotency-Key",
 		"X-Forwarded-For", "User-Agent"}
@@ -532,6 +532,7 @@ func TestCapturedCopiesRaceTheRetry(t *testing.T) {
 			if got := storedBody(t, ctx, pool, s.source, s.key); got != "acted "+a.genuine {
 				t.Fatalf("the answer stored under the event's key is %q, want the genuine one", got)
 			}
+			t.Logf("%d copies raced the sender's retry", len(copies))
 			for i, d := range all {
 				t.Logf("%s: %d", d.name, codes[i])
 			}
