@@ -105,9 +105,9 @@ func storedBody(t *testing.T, ctx context.Context, q *pgxpool.Pool, source, key 
 // TestStandardWebhooksKeyIsTheSignedID (Svix): the key is the id of the
 // scheme the delivery is verified by. A captured Svix-signed delivery
 // re-sent six times with an added webhook-id of the attacker's choosing
-// runs once, under its svix-id; and the same copy naming another
-// message's id, whose first attempt failed, stores nothing under that
-// message's key: its own retry runs.
+// runs once, under its svix-id; the same copy naming another message's
+// id, whose first attempt failed, stores nothing under that message's
+// key: its own retry runs; a signed header given twice is refused.
 func TestStandardWebhooksKeyIsTheSignedID(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -158,6 +158,23 @@ func TestStandardWebhooksKeyIsTheSignedID(t *testing.T) {
 	}
 	if got := storedBody(t, ctx, pool, "webhooks", b["webhook-id"]); got != "processed" {
 		t.Fatalf("B's stored answer %q", got)
+	}
+	// A signed header given twice is malformed: which one was verified
+	// and which one keyed would depend on the reader.
+	for _, name := range []string{"svix-id", "svix-timestamp", "svix-signature"} {
+		req, _ := http.NewRequest("POST", srv.URL+"/", strings.NewReader(svix.body))
+		for k, v := range captured {
+			req.Header.Set(k, v)
+		}
+		req.Header.Add(name, "msg_second")
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusBadRequest {
+			t.Fatalf("%s repeated: %d, want 400", name, resp.StatusCode)
+		}
 	}
 }
 
