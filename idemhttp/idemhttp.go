@@ -250,7 +250,9 @@ func CredentialsScope(r *http.Request) string {
 	return "c:" + hex.EncodeToString(h.Sum(nil)[:16])
 }
 
-// New returns the middleware.
+// New returns the middleware, or an error for an invalid Config: among
+// others a preset's bad secret (ErrInvalidSecret) and a source taken by
+// another endpoint over the same Client (ErrSourceInUse).
 func New(cfg Config) (func(http.Handler) http.Handler, error) {
 	if cfg.Client == nil {
 		return nil, errors.New("idemhttp: Config.Client is required")
