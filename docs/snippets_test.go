@@ -54,6 +54,7 @@ func _(ctx context.Context, c *idem.Client)                     { effectsDoc(ctx
 func _(ctx context.Context)                                     { httpDoc(ctx) }
 func _(ctx context.Context, pool *pgxpool.Pool, c *idem.Client) { inboxDoc(ctx, pool, c) }
 func _(ctx context.Context, pool *pgxpool.Pool, c *idem.Client) { inboxDocHandler(ctx, pool, c) }
+func _(c *idem.Client)                                          { sendersDoc(c, "", "", nil, nil) }
 
 // README.md, "Use it from Go".
 func readmeDo(ctx context.Context, w http.ResponseWriter) {
@@ -159,6 +160,15 @@ func httpDoc(ctx context.Context) {
 	mw, err := idemhttp.New(idemhttp.Config{Client: idem.New(pool, nil)}.
 		Apply(idemhttp.Stripe(os.Getenv("STRIPE_WEBHOOK_SECRET"))))
 	http.Handle("POST /webhooks/stripe", mw(myHandler))
+	useAll(err)
+}
+
+// docs/senders.md, one endpoint per source.
+func sendersDoc(c *idem.Client, billingSecret, connectSecret string, billingHandler, connectHandler http.Handler) {
+	billing, err := idemhttp.New(idemhttp.Config{Client: c, Source: "stripe-billing"}.Apply(idemhttp.Stripe(billingSecret)))
+	connect, err := idemhttp.New(idemhttp.Config{Client: c, Source: "stripe-connect"}.Apply(idemhttp.Stripe(connectSecret)))
+	http.Handle("POST /webhooks/stripe/billing", billing(billingHandler))
+	http.Handle("POST /webhooks/stripe/connect", connect(connectHandler))
 	useAll(err)
 }
 

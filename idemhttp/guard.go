@@ -22,7 +22,9 @@ import (
 // without running anything; the genuine redelivery (same id, same body)
 // passes the guard and is answered from its stored result, as before. Two
 // genuine deliveries of the same event type with byte-identical bodies
-// are one event. docs/http.md, "Threat model".
+// are one event. The other direction, the key to what it stands for, is
+// the preset's fingerprint (headersFingerprint): the body and the
+// unsigned headers a handler acts on. docs/senders.md.
 
 // GuardSuffix is appended to a source to name the source of its replay
 // guard's keys ("github/bodies").

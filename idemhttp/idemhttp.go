@@ -18,8 +18,11 @@
 //
 // Presets verify and extract the key the way real senders sign and send
 // it: Stripe (event id in the body), GitHub (X-GitHub-Delivery), Shopify
-// (X-Shopify-Event-Id), Standard Webhooks / Svix (webhook-id). It is plain net/http, so it wraps
-// chi, echo and gin handlers through their net/http adapters.
+// (X-Shopify-Event-Id), Standard Webhooks / Svix (webhook-id or svix-id,
+// whichever the signature covers); docs/senders.md says, per sender, what
+// the signature proves and where each decision comes from. It is plain
+// net/http, so it wraps chi, echo and gin handlers through their net/http
+// adapters.
 package idemhttp
 
 import (
@@ -52,7 +55,8 @@ const (
 type KeyFunc func(r *http.Request, body []byte) (key, eventType string, err error)
 
 // FingerprintFunc summarizes the request; the same key with a different
-// fingerprint is answered 422.
+// fingerprint is answered 422. An empty fingerprint is none: the key alone
+// is the request's identity (NoFingerprint).
 type FingerprintFunc func(r *http.Request, body []byte) string
 
 // Config configures the middleware. Client and Source are required.
@@ -60,12 +64,15 @@ type Config struct {
 	// Client runs the protocol (over a pool: the middleware heartbeats the
 	// lease while a slow handler runs).
 	Client *idem.Client
-	// Source is the namespace of the keys, e.g. "stripe"; presets set it.
+	// Source is the namespace of the keys, e.g. "stripe"; presets set it
+	// when it is empty. Give each endpoint its own: New refuses a second
+	// middleware over the same Client whose source is taken by another
+	// endpoint (ErrSourceInUse).
 	Source string
 	// Key extracts the key. Default: the Idempotency-Key header.
 	Key KeyFunc
 	// Fingerprint summarizes the request. Default: SHA-256 of method, path
-	// and body.
+	// and body; the webhook presets set their own (docs/senders.md).
 	Fingerprint FingerprintFunc
 	// PassThroughMissingKey runs the handler without idempotency when a
 	// request has no key, instead of answering 400.
@@ -163,6 +170,12 @@ type Config struct {
 	senderHeaders []string // a preset's event, delivery and signature headers
 	guardBody     bool     // a preset whose signature covers the body only: the replay guard
 	presetErr     error    // a preset's bad secret
+	secrets       []string // a preset's signing secrets: the endpoint's identity (endpoint.go)
+	defaultSource bool     // Source is the preset's default, not named by the caller
+	// legacyFingerprint is the fingerprint an earlier version stored for
+	// the preset's keys (GitHub, Shopify: the body alone), tried on a
+	// mismatch in synchronous mode.
+	legacyFingerprint FingerprintFunc
 }
 
 // Response is what the middleware stores for a key: enough to replay the
@@ -237,7 +250,9 @@ func CredentialsScope(r *http.Request) string {
 	return "c:" + hex.EncodeToString(h.Sum(nil)[:16])
 }
 
-// New returns the middleware.
+// New returns the middleware, or an error for an invalid Config: among
+// others a preset's bad secret (ErrInvalidSecret) and a source taken by
+// another endpoint over the same Client (ErrSourceInUse).
 func New(cfg Config) (func(http.Handler) http.Handler, error) {
 	if cfg.Client == nil {
 		return nil, errors.New("idemhttp: Config.Client is required")
@@ -293,6 +308,9 @@ func New(cfg Config) (func(http.Handler) http.Handler, error) {
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
+	}
+	if err := claimSource(&cfg); err != nil {
+		return nil, err
 	}
 	return func(next http.Handler) http.Handler {
 		return &middleware{cfg: cfg, next: next}
@@ -385,7 +403,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 		}
 		defer done()
 	}
-	opts := []idem.ClaimOption{idem.WithFingerprint(m.cfg.Fingerprint(r, body))}
+	var opts []idem.ClaimOption
 	if eventType != "" {
 		opts = append(opts, idem.WithEventType(eventType))
 	}
@@ -404,7 +422,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), m.cfg.HandlerTimeout)
 	defer cancel()
 	var rec *recorder
-	res, err := m.cfg.Client.Do(ctx, m.cfg.Source, key, func(ctx context.Context) (any, error) {
+	work := func(ctx context.Context) (any, error) {
 		rec = newRecorder(m.cfg.MaxResponseBody)
 		m.next.ServeHTTP(rec, r.WithContext(ctx))
 		if !m.cfg.Store(rec.status()) {
@@ -415,7 +433,19 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 				slog.String("source", m.cfg.Source), slog.String("key", key), slog.Int("limit", m.cfg.MaxResponseBody))
 		}
 		return m.stored(rec), nil
-	}, opts...)
+	}
+	var res *idem.Result
+	fp := m.cfg.Fingerprint(r, body)
+	if fp == "" {
+		res, err = m.cfg.Client.Do(ctx, m.cfg.Source, key, work, opts...)
+	} else {
+		res, err = m.cfg.Client.Do(ctx, m.cfg.Source, key, work, append(opts, idem.WithFingerprint(fp))...)
+	}
+	if errors.Is(err, idem.ErrMismatch) && m.cfg.legacyFingerprint != nil {
+		// A key stored by an earlier version, under the body-only
+		// fingerprint: its sender's retry is not a mismatch.
+		res, err = m.cfg.Client.Do(ctx, m.cfg.Source, key, work, append(opts, idem.WithFingerprint(m.cfg.legacyFingerprint(r, body)))...)
+	}
 
 	switch {
 	case err == nil && res.Replayed:

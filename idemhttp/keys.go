@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"strconv"
 	"strings"
 	"time"
 
@@ -97,6 +98,37 @@ func RequestFingerprint(r *http.Request, body []byte) string {
 // same URL; some vary the query string).
 func BodyFingerprint(_ *http.Request, body []byte) string { return idem.Fingerprint(body) }
 
+// NoFingerprint gives no fingerprint: the key alone is the request's
+// identity, and a request with a known key is never a mismatch (422). The
+// presets of senders whose signature covers the key (Stripe, Standard
+// Webhooks) use it: a delivery with a signed event id is that event,
+// whatever its bytes (the sender may re-serialize a retry, or change a
+// field such as Stripe's pending_webhooks between attempts).
+func NoFingerprint(*http.Request, []byte) string { return "" }
+
+// headersFingerprint is SHA-256 over the named headers (every value, in
+// order; an absent header differs from an empty one) and the body. The
+// presets of senders whose signature covers the body only (GitHub,
+// Shopify) bind the unsigned headers a handler acts on (event type, shop,
+// hook, API version) to the delivery's key with it: a copy of a delivery
+// under its key with one of them changed, added or removed is a mismatch
+// (422), stores nothing, and the genuine event keeps its key.
+func headersFingerprint(names ...string) FingerprintFunc {
+	return func(r *http.Request, body []byte) string {
+		parts := make([][]byte, 0, len(names)+1)
+		for _, n := range names {
+			vs := r.Header.Values(n)
+			p := []byte(http.CanonicalHeaderKey(n) + ":" + strconv.Itoa(len(vs)))
+			for _, v := range vs {
+				p = append(p, 0)
+				p = append(p, v...)
+			}
+			parts = append(parts, p)
+		}
+		return idem.Fingerprint(append(parts, body)...)
+	}
+}
+
 // Preset fills Source, Key and Fingerprint (and, where the sender has a
 // long retry window, TTL) for a known sender; fields already set are kept.
 type Preset func(*Config)
@@ -109,45 +141,48 @@ func (c Config) Apply(presets ...Preset) Config {
 	return c
 }
 
-func preset(source, sender string, key KeyFunc, ttl time.Duration, verify func() (Verifier, error), headers ...string) Preset {
+// senderPreset describes a webhook sender for preset.
+type senderPreset struct {
+	source, name string
+	key          KeyFunc
+	fingerprint  FingerprintFunc
+	ttl          time.Duration
+	secrets      []string
+	verifier     func(secrets ...string) (Verifier, error)
+	headers      []string // the sender's event, delivery and signature headers
+	guardBody    bool     // the signature covers the body only: the replay guard
+	// legacyFingerprint: what an earlier version stored (Config.legacyFingerprint).
+	legacyFingerprint FingerprintFunc
+}
+
+func preset(p senderPreset) Preset {
 	return func(c *Config) {
-		c.senderHeaders = headers
+		c.senderHeaders = p.headers
+		c.guardBody = p.guardBody
 		if c.Source == "" {
-			c.Source = source
+			c.Source = p.source
+			c.defaultSource = true
 		}
 		if c.Key == nil {
-			c.Key = key
+			c.Key = p.key
 		}
 		if c.Fingerprint == nil {
-			c.Fingerprint = BodyFingerprint
+			c.Fingerprint = p.fingerprint
+			c.legacyFingerprint = p.legacyFingerprint
 		}
 		if c.TTL == 0 {
-			c.TTL = ttl
+			c.TTL = p.ttl
 		}
-		c.sender = sender
-		if c.Verify == nil && verify != nil {
-			v, err := verify()
+		c.sender = p.name
+		if c.Verify == nil && len(p.secrets) > 0 {
+			// Without secrets New asks for them, or for VerifiedUpstream.
+			v, err := p.verifier(p.secrets...)
 			if err != nil {
 				c.presetErr = err
 			}
 			c.Verify = v
+			c.secrets = p.secrets
 		}
-	}
-}
-
-// verifier is nil without secrets: New then asks for them or for
-// Config.VerifiedUpstream.
-func verifier(secrets []string, make func(...string) Verifier) func() (Verifier, error) {
-	if len(secrets) == 0 {
-		return nil
-	}
-	return func() (Verifier, error) {
-		for i, s := range secrets {
-			if s == "" {
-				return nil, fmt.Errorf("idemhttp: signing secret %d is empty", i+1)
-			}
-		}
-		return make(secrets...), nil
 	}
 }
 
@@ -157,58 +192,83 @@ const StripeRetryWindow = 3 * 24 * time.Hour
 // Stripe keys by the event id ("evt_...") in the JSON body, with the event
 // type from "type", and keeps keys for twice Stripe's 3-day retry window plus
 // a day (7 days), so no retry outlives its key. Deliveries are verified
-// first (Stripe-Signature, with stripe-go's webhook package and a 5-minute
-// tolerance) against the endpoint's signing secrets ("whsec_..."; two while
-// one is rolled).
+// first (StripeVerifier: Stripe-Signature, with stripe-go's webhook
+// package, and a timestamp within 5 minutes either way) against the
+// endpoint's signing secrets ("whsec_..."; two while one is rolled). The
+// signature covers the body, which holds the key: the event id is the
+// delivery's identity (NoFingerprint), so a retry whose bytes differ is
+// the same event, answered from its stored answer, or run if the first
+// attempt failed.
 func Stripe(secrets ...string) Preset {
-	return preset("stripe", "Stripe", bodyIDKey, 2*StripeRetryWindow+24*time.Hour,
-		verifier(secrets, func(s ...string) Verifier { return StripeVerifier(DefaultTolerance, s...) }), "Stripe-Signature")
+	return preset(senderPreset{source: "stripe", name: "Stripe", key: bodyIDKey, fingerprint: NoFingerprint,
+		ttl: 2*StripeRetryWindow + 24*time.Hour, secrets: secrets,
+		verifier: func(s ...string) (Verifier, error) { return StripeVerifier(DefaultTolerance, s...) },
+		headers:  []string{"Stripe-Signature"}})
 }
+
+// GitHub's headers: githubBound are the unsigned headers that say what a
+// delivery means (fingerprinted with the body).
+var githubBound = []string{"X-GitHub-Event", "X-GitHub-Hook-Id", "X-GitHub-Hook-Installation-Target-Id", "X-GitHub-Hook-Installation-Target-Type"}
 
 // GitHub keys by X-GitHub-Delivery (a GUID per delivery, kept on
 // redelivery), with the event type from X-GitHub-Event, and verifies
 // X-Hub-Signature-256 against the webhook's secrets first. The signature
-// covers the body only, so the signed body is deduplicated too (the replay
-// guard, GuardKey): a copy re-sent under a fresh delivery id runs nothing.
+// covers the body only, so what the key stands for is bound to it: the
+// fingerprint covers the body and X-GitHub-Event, X-GitHub-Hook-Id and
+// the installation target headers (a copy under the key with any of them
+// changed is 422 and stores nothing), and the signed body is deduplicated
+// too (the replay guard, GuardKey): a copy re-sent under a fresh delivery
+// id runs nothing.
 func GitHub(secrets ...string) Preset {
-	p := preset("github", "GitHub", HeaderKey("X-GitHub-Event", "X-GitHub-Delivery"), 0, verifier(secrets, GitHubVerifier),
-		"X-GitHub-Event", "X-GitHub-Delivery", "X-Hub-Signature-256", "X-GitHub-Hook-Id",
-		"X-GitHub-Hook-Installation-Target-Id", "X-GitHub-Hook-Installation-Target-Type")
-	return func(c *Config) { p(c); c.guardBody = true }
+	return preset(senderPreset{source: "github", name: "GitHub", key: HeaderKey("X-GitHub-Event", "X-GitHub-Delivery"),
+		fingerprint: headersFingerprint(githubBound...), legacyFingerprint: BodyFingerprint, secrets: secrets, verifier: GitHubVerifier,
+		headers: append([]string{"X-GitHub-Delivery", "X-Hub-Signature-256"}, githubBound...), guardBody: true})
 }
+
+// shopifyBound are the unsigned Shopify headers that say what a delivery
+// means (fingerprinted with the body).
+var shopifyBound = []string{"X-Shopify-Topic", "X-Shopify-Shop-Domain", "X-Shopify-Api-Version"}
 
 // Shopify keys by X-Shopify-Event-Id (the same for every delivery of an
 // event), falling back to X-Shopify-Webhook-Id, with the topic as type,
 // and verifies X-Shopify-Hmac-Sha256 against the app's client secrets
 // first. Shopify retries for 48 hours. The signature covers the body only,
-// so the signed body is deduplicated too (the replay guard, GuardKey).
+// so the fingerprint covers the body with the topic, the shop's domain
+// and the API version (a copy under the key with any of them changed is
+// 422 and stores nothing), and the signed body is deduplicated too (the
+// replay guard, GuardKey).
 func Shopify(secrets ...string) Preset {
-	p := preset("shopify", "Shopify", HeaderKey("X-Shopify-Topic", "X-Shopify-Event-Id", "X-Shopify-Webhook-Id"), 0,
-		verifier(secrets, ShopifyVerifier),
-		"X-Shopify-Topic", "X-Shopify-Event-Id", "X-Shopify-Webhook-Id", "X-Shopify-Hmac-Sha256",
-		"X-Shopify-Shop-Domain", "X-Shopify-Api-Version", "X-Shopify-Triggered-At")
-	return func(c *Config) { p(c); c.guardBody = true }
+	return preset(senderPreset{source: "shopify", name: "Shopify",
+		key:         HeaderKey("X-Shopify-Topic", "X-Shopify-Event-Id", "X-Shopify-Webhook-Id"),
+		fingerprint: headersFingerprint(shopifyBound...), legacyFingerprint: BodyFingerprint, secrets: secrets, verifier: ShopifyVerifier,
+		headers:   append([]string{"X-Shopify-Event-Id", "X-Shopify-Webhook-Id", "X-Shopify-Hmac-Sha256", "X-Shopify-Triggered-At"}, shopifyBound...),
+		guardBody: true})
 }
 
-// StandardWebhooks keys by webhook-id (Standard Webhooks), falling back to
-// svix-id (Svix's own headers), with the event type from the body's "type",
-// and verifies the signature with the standard-webhooks library first
-// (secrets "whsec_<base64>").
+// StandardWebhooks keys by the message id the signature covers: webhook-id
+// (Standard Webhooks), or svix-id when the delivery is signed with Svix's
+// headers (no webhook-signature), never an id from the other scheme's
+// headers. The event type is the body's "type". The signature (checked
+// first, with the standard-webhooks library; secrets "whsec_<base64>")
+// covers the id, a timestamp and the body: the id is the delivery's
+// identity (NoFingerprint), as for Stripe.
 func StandardWebhooks(secrets ...string) Preset {
-	key := HeaderKey("", "webhook-id", "svix-id")
-	var verify func() (Verifier, error)
-	if len(secrets) > 0 {
-		verify = func() (Verifier, error) { return StandardWebhooksVerifier(secrets...) }
+	return preset(senderPreset{source: "webhooks", name: "StandardWebhooks", key: standardKey, fingerprint: NoFingerprint,
+		secrets: secrets, verifier: StandardWebhooksVerifier,
+		headers: []string{"webhook-id", "webhook-timestamp", "webhook-signature", "svix-id", "svix-timestamp", "svix-signature"}})
+}
+
+// standardKey is the StandardWebhooks preset's key: the id of the scheme
+// the delivery is verified by (standardScheme), and the body's "type".
+func standardKey(r *http.Request, body []byte) (string, string, error) {
+	id, _, _ := standardScheme(r.Header)
+	k := r.Header.Get(id) // exactly the value signed
+	if k == "" {
+		return "", "", nil
 	}
-	return preset("webhooks", "StandardWebhooks", func(r *http.Request, body []byte) (string, string, error) {
-		k, _, err := key(r, body)
-		if k == "" || err != nil {
-			return k, "", err
-		}
-		var ev struct {
-			Type string `json:"type"`
-		}
-		_ = json.Unmarshal(body, &ev)
-		return k, ev.Type, nil
-	}, 0, verify, "webhook-id", "webhook-timestamp", "webhook-signature", "svix-id", "svix-timestamp", "svix-signature")
+	var ev struct {
+		Type string `json:"type"`
+	}
+	_ = json.Unmarshal(body, &ev)
+	return k, ev.Type, nil
 }

@@ -315,7 +315,11 @@ func TestGitHubDocumentedSignature(t *testing.T) {
 	t.Parallel()
 	r, _ := http.NewRequest("POST", "/", nil)
 	r.Header.Set("X-Hub-Signature-256", "sha256=757107ea0eb2509fc211221cce984b8a37570b6d7586c22c46f4379c8b043e17")
-	if err := idemhttp.GitHubVerifier("It's a Secret to Everybody")(r, []byte("Hello, World!")); err != nil {
+	v, err := idemhttp.GitHubVerifier("It's a Secret to Everybody")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := v(r, []byte("Hello, World!")); err != nil {
 		t.Fatal(err)
 	}
 }

@@ -39,9 +39,13 @@ var (
 type TransportConfig struct {
 	// Header is the request header that carries the key. Default
 	// "Idempotency-Key" (Stripe, Adyen, the IETF draft); PayPal reads
-	// "PayPal-Request-Id". A request that already has it is sent as is.
+	// "PayPal-Request-Id". Inside an effect the effect's key replaces any
+	// value the request already carries under it (stripe-go sets a random
+	// one on every write), under any spelling of the name; outside an
+	// effect a request that carries it is sent as is.
 	Header string
-	// Methods are the methods keyed. Default POST and PATCH.
+	// Methods are the methods keyed, matched case-insensitively (net/http
+	// sends a method as it is written). Default POST and PATCH.
 	Methods []string
 	// Namespace is mixed into every key: set it when two applications (or
 	// environments) run effects of the same name for the same events
@@ -56,8 +60,10 @@ type TransportConfig struct {
 // Transport is an http.RoundTripper that sets the idempotency key of
 // outbound writes from the idem effect in the request's context
 // (idem.EffectFrom): Effect.OutboundKey of the call's label, which is its
-// method and URL path unless WithOutboundLabel gives another. It never
-// modifies the caller's request.
+// method and URL path unless WithOutboundLabel gives another. Inside an
+// effect the effect's key always wins: a key the request already carries
+// (a client library's own, random one) is replaced, so every attempt of
+// the effect sends the same key. It never modifies the caller's request.
 type Transport struct {
 	base      http.RoundTripper
 	header    string
@@ -107,12 +113,12 @@ func WithOutboundLabel(ctx context.Context, label string) context.Context {
 
 // RoundTrip implements http.RoundTripper.
 func (t *Transport) RoundTrip(r *http.Request) (*http.Response, error) {
-	if !slices.Contains(t.methods, r.Method) || r.Header.Get(t.header) != "" {
+	if !slices.ContainsFunc(t.methods, func(m string) bool { return strings.EqualFold(m, r.Method) }) {
 		return t.base.RoundTrip(r)
 	}
 	eff, ok := idem.EffectFrom(r.Context())
 	if !ok {
-		if t.unkeyed {
+		if t.unkeyed || t.callerKeyed(r.Header) {
 			return t.base.RoundTrip(r)
 		}
 		closeBody(r)
@@ -120,14 +126,39 @@ func (t *Transport) RoundTrip(r *http.Request) (*http.Response, error) {
 	}
 	label, ok := r.Context().Value(labelCtxKey{}).(string)
 	if !ok {
-		label = r.Method + " " + r.URL.EscapedPath()
+		label = strings.ToUpper(r.Method) + " " + r.URL.EscapedPath()
 	}
 	if t.namespace != "" {
 		label = t.namespace + "\x00" + label
 	}
 	r2 := r.Clone(r.Context())
+	for _, name := range t.keyHeaders(r2.Header) {
+		delete(r2.Header, name)
+	}
 	r2.Header.Set(t.header, eff.OutboundKey(label))
 	return t.base.RoundTrip(r2)
+}
+
+// keyHeaders returns the names under which h holds the key header, in
+// any spelling (a caller may set h["idempotency-key"] directly).
+func (t *Transport) keyHeaders(h http.Header) []string {
+	var names []string
+	for name := range h {
+		if strings.EqualFold(name, t.header) {
+			names = append(names, name)
+		}
+	}
+	return names
+}
+
+// callerKeyed reports whether h carries a non-empty key, in any spelling.
+func (t *Transport) callerKeyed(h http.Header) bool {
+	for _, name := range t.keyHeaders(h) {
+		if slices.ContainsFunc(h[name], func(v string) bool { return strings.TrimSpace(v) != "" }) {
+			return true
+		}
+	}
+	return false
 }
 
 // closeBody honours RoundTrip's contract: the body is closed, even on error.

@@ -67,10 +67,11 @@ func charge(ctx context.Context, hc *http.Client, url string) (string, error) {
 	return string(b), err
 }
 
-// TestTransport: writes inside an effect carry the effect's key; the same
-// call in a re-run carries the same key; reads, calls that bring their own
-// key and (when allowed) calls outside effects are sent as they are; a
-// write outside an effect is refused.
+// TestTransport: writes inside an effect carry the effect's key (also
+// over a key the caller set); the same call in a re-run carries the same
+// key; reads, calls outside effects that bring their own key and (when
+// allowed) unkeyed calls outside effects are sent as they are; a write
+// outside an effect is refused.
 func TestTransport(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -125,7 +126,7 @@ func TestTransport(t *testing.T) {
 		"POST /v1/charges " + eff.OutboundKey("POST /v1/charges"),
 		"PATCH /v1/charges/ch_1 " + eff.OutboundKey("PATCH /v1/charges/ch_1"),
 		"GET /v1/charges/ch_1 ", "PUT /v1/x ", "DELETE /v1/x ",
-		"POST /v1/charges mine",
+		"POST /v1/charges " + eff.OutboundKey("POST /v1/charges"), // the caller's "mine" loses to the effect's key
 		"POST /v1/charges " + eff.OutboundKey("second"),
 	}
 	if strings.Join(got, "\n") != strings.Join(want, "\n") {

@@ -382,8 +382,8 @@ func TestRiverStaysOut(t *testing.T) {
 
 // TestAsyncHTTP: idemhttp's asynchronous mode on the inbox, over real
 // HTTP: a verified delivery is answered 202 and queued; its duplicate 202
-// with Idempotency-Replayed; the same event id with another body 422; a
-// forged one 401. The worker runs the very http.Handler a synchronous
+// with Idempotency-Replayed, as is the same (signed) event id with other
+// bytes; a forged one 401. The worker runs the very http.Handler a synchronous
 // middleware would (inbox.FromHTTP), once, with the payload and the
 // sender's headers; a non-2xx answer from it is retried.
 func TestAsyncHTTP(t *testing.T) {
@@ -431,8 +431,10 @@ func TestAsyncHTTP(t *testing.T) {
 	if r := post(body, "whsec_async"); r.StatusCode != 202 || r.Header.Get("Idempotency-Replayed") != "true" {
 		t.Fatalf("duplicate: %d %v", r.StatusCode, r.Header)
 	}
-	if r := post(`{"id":"evt_async","type":"invoice.paid","data":{"object":{"changed":1}}}`, "whsec_async"); r.StatusCode != 422 {
-		t.Fatalf("changed body: %d", r.StatusCode)
+	// Stripe signs the event id: the same id with other bytes is the same
+	// event (re-serialized, pending_webhooks changed), a duplicate.
+	if r := post(`{"id":"evt_async","type":"invoice.paid","data":{"object":{"changed":1}}}`, "whsec_async"); r.StatusCode != 202 || r.Header.Get("Idempotency-Replayed") != "true" {
+		t.Fatalf("changed body: %d %v", r.StatusCode, r.Header)
 	}
 	if r := post(`{"id":"evt_forged"}`, "whsec_forger"); r.StatusCode != 401 {
 		t.Fatalf("forged: %d", r.StatusCode)
