@@ -52,7 +52,7 @@ func GrantRiver(ctx context.Context, db Execer, schema string) error {
 			SELECT a.grantee::regrole::text
 			  FROM pg_catalog.pg_proc p, pg_catalog.aclexplode(p.proacl) a
 			 WHERE p.oid = pg_catalog.to_regprocedure($1)::oid AND a.privilege_type = 'EXECUTE'
-			   AND a.grantee <> 0 AND a.grantee <> p.proowner`, fn)
+			   AND a.grantee <> 0::oid AND a.grantee <> p.proowner`, fn)
 		if err != nil {
 			return fmt.Errorf("inbox: find idem's roles: %w", err)
 		}

@@ -17,8 +17,8 @@ var ErrUnsafeSchema = errors.New("idem/migrate: schema idem is owned by, or writ
 // UnsafeSchemaError says who owns or may write schema idem, and the
 // statements that make it safe.
 type UnsafeSchemaError struct {
-	Migrator string   // the role migrating (current_user)
-	Owner    string   // the schema's owner
+	Migrator string   // the role migrating (current_user), quoted as SQL needs
+	Owner    string   // the schema's owner, quoted likewise
 	Writers  []string // roles other than the owner with CREATE on it ("PUBLIC" for everyone)
 }
 
@@ -49,15 +49,18 @@ type queryRower interface {
 func CheckSchema(ctx context.Context, db queryRower) error {
 	var e UnsafeSchemaError
 	var writers string
+	var mine bool
 	err := db.QueryRowContext(ctx, `
-		SELECT n.nspowner::pg_catalog.regrole::text, current_user::text,
+		SELECT n.nspowner::pg_catalog.regrole::text,
+		       (SELECT r.oid FROM pg_catalog.pg_roles r WHERE r.rolname = current_user)::pg_catalog.regrole::text,
+		       n.nspowner = (SELECT r.oid FROM pg_catalog.pg_roles r WHERE r.rolname = current_user),
 		       coalesce(pg_catalog.string_agg(
 		           coalesce(NULLIF(a.grantee, 0::oid)::pg_catalog.regrole::text, 'PUBLIC'), ',' ORDER BY a.grantee)
 		           FILTER (WHERE a.privilege_type = 'CREATE' AND a.grantee <> n.nspowner), '')
 		  FROM pg_catalog.pg_namespace n
 		  LEFT JOIN LATERAL pg_catalog.aclexplode(n.nspacl) a ON true
 		 WHERE n.nspname = $1
-		 GROUP BY n.nspowner`, Schema).Scan(&e.Owner, &e.Migrator, &writers)
+		 GROUP BY n.nspowner`, Schema).Scan(&e.Owner, &e.Migrator, &mine, &writers)
 	switch {
 	case errors.Is(err, sql.ErrNoRows):
 		return nil
@@ -67,7 +70,7 @@ func CheckSchema(ctx context.Context, db queryRower) error {
 	if writers != "" {
 		e.Writers = strings.Split(writers, ",")
 	}
-	if e.Owner != e.Migrator || len(e.Writers) > 0 {
+	if !mine || len(e.Writers) > 0 {
 		return &e
 	}
 	return nil

@@ -28,7 +28,7 @@ func TestUpgradeTo14(t *testing.T) {
 		"FUNCTION idem.audit() EXECUTE",
 		"FUNCTION idem.check_prune_args(integer,integer) EXECUTE",
 		"FUNCTION idem.check_rotate_args(integer,interval) EXECUTE",
-		"FUNCTION idem.partition_step(date) EXECUTE",
+		"FUNCTION idem.make_month(date) EXECUTE",
 		"FUNCTION idem.sql_holder() EXECUTE",
 	}
 	maintenance := func(stage string) {

@@ -175,6 +175,19 @@ func (q *Queries) ListPartitions(ctx context.Context) ([]ListPartitionsRow, erro
 	return items, nil
 }
 
+const makeMonth = `-- name: MakeMonth :one
+SELECT idem.make_month($1::date)::text AS result
+`
+
+// Makes a month's partition (migration 14): 'exists', 'created' or
+// 'kept: ...' (its rows are in the default partition).
+func (q *Queries) MakeMonth(ctx context.Context, month pgtype.Date) (string, error) {
+	row := q.db.QueryRow(ctx, makeMonth, month)
+	var result string
+	err := row.Scan(&result)
+	return result, err
+}
+
 const monthInDefault = `-- name: MonthInDefault :one
 SELECT EXISTS (SELECT 1 FROM idem.processed_events_default d
                 WHERE d.first_seen_month >= $1::date
@@ -253,19 +266,6 @@ func (q *Queries) PartitionMonths(ctx context.Context) ([]PartitionMonthsRow, er
 		return nil, err
 	}
 	return items, nil
-}
-
-const partitionStep = `-- name: PartitionStep :one
-SELECT idem.partition_step($1::date)::text AS result
-`
-
-// One step of making a month's partition (migration 14): 'exists',
-// 'created', 'continue' (call again, in a new transaction) or 'kept: ...'.
-func (q *Queries) PartitionStep(ctx context.Context, month pgtype.Date) (string, error) {
-	row := q.db.QueryRow(ctx, partitionStep, month)
-	var result string
-	err := row.Scan(&result)
-	return result, err
 }
 
 const partitionsToRetire = `-- name: PartitionsToRetire :many

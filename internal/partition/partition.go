@@ -61,9 +61,8 @@ type Config struct {
 	// long claims can queue behind rotation's lock request), 1ms to 1h
 	// (idem.check_rotate_args). nil: DefaultLockTimeout (2s).
 	LockTimeout *time.Duration
-	// StatementTimeout bounds each step (validating the default
-	// partition reads it whole, without blocking claims). nil:
-	// DefaultStatementTimeout (5m); 0: none.
+	// StatementTimeout bounds each step (attaching a month reads the
+	// default partition). nil: DefaultStatementTimeout (5m); 0: none.
 	StatementTimeout *time.Duration
 	// Retries is how many times a step that timed out on a lock is tried
 	// again (with doubling, jittered backoff from Backoff). nil:
@@ -195,7 +194,7 @@ func List(ctx context.Context, pool *pgxpool.Pool) ([]Partition, error) {
 }
 
 // Rotate runs one rotation: the steps of CALL idem.rotate()
-// (idem.try_lock, idem.months_to_create and idem.create_partition,
+// (idem.try_lock, idem.months_to_create and idem.make_month,
 // idem.partitions_to_retire and idem.retire_partition then
 // idem.drop_detached, idem.release_lock), driven from Go with retries and
 // logs.
@@ -257,16 +256,11 @@ func (c settings) rotate(ctx context.Context, pool *pgxpool.Pool) (*Result, erro
 	}
 	for _, m := range months {
 		month := m.Time.Format("2006-01")
-		// idem.partition_step, one step a transaction, until it says what
-		// became of the month.
-		out := "continue"
-		for out == "continue" {
-			out, err = c.step(ctx, pool, func(q *pgxdb.Queries) (string, error) {
-				return q.PartitionStep(ctx, m)
-			})
-			if err != nil {
-				return res, fmt.Errorf("create the partition for %s: %w", month, err)
-			}
+		out, err := c.step(ctx, pool, func(q *pgxdb.Queries) (string, error) {
+			return q.MakeMonth(ctx, m)
+		})
+		if err != nil {
+			return res, fmt.Errorf("create the partition for %s: %w", month, err)
 		}
 		res.add(ctx, c.log, Step{"create", month, out})
 	}

@@ -30,7 +30,7 @@ const (
 	// its key's shard (migration 11).
 	NotDelegated = "ID005"
 	// NotIdemsPartition: a table has a month's partition name but idem did
-	// not make it (idem.partition_step, migration 14).
+	// not make it (idem.make_month, migration 14).
 	NotIdemsPartition = "ID007"
 	// RoleConflict: a grant would give one role both the application's and
 	// the maintainer's rights (idem.grant_app, idem.grant_maintainer,

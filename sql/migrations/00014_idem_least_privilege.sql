@@ -14,14 +14,14 @@
 -- * Partitions are what they are: idem.partition_months reads the bounds
 --   under DateStyle ISO whatever the session's; a month's partition is the
 --   attached one with the month's bounds, never a table that merely has its
---   name (idem.partition_step refuses a table somebody else made, ID007).
--- * Rows in the default partition stay there until prune deletes them:
---   moving them locked the default partition (which every claim reads)
---   for as long as the move took. A month is made in steps, each its own
---   transaction, by idem.partition_step: the default partition is proven
---   free of the month by a CHECK constraint validated without blocking
---   claims, and the attach then needs no scan. idem.create_partition runs
---   the steps in one transaction, for direct use.
+--   name (idem.make_month refuses a table somebody else made, ID007).
+-- * Rows in the default partition stay there until prune deletes them
+--   (claims find them there); their month gets no partition meanwhile.
+--   Moving them locked the default partition, which every claim reads, for
+--   as long as the move took. idem.make_month makes one month: created and
+--   attached in one short transaction (the attach scans the default
+--   partition under its lock: a read, far shorter than a move), or kept.
+--   idem.create_partition is make_month returning the partition's name.
 -- * One role cannot be both: idem.role_conflicts() lists the roles that
 --   hold the application's and the maintainer's rights (directly or through
 --   membership); grant_app and grant_maintainer refuse a grant that makes
@@ -202,7 +202,9 @@ BEGIN
         RAISE EXCEPTION USING ERRCODE = '22023',
             MESSAGE = format('premake %s is out of range (0 to 24 months)', coalesce(premake::text, 'NULL'));
     END IF;
-    IF lock_wait IS NULL OR lock_wait < interval '1 millisecond' OR lock_wait > interval '1 hour' THEN
+    -- Compared as the number of seconds it becomes (an interval's months
+    -- and years compare as 30 and 360 days, but count 365.25 in its epoch).
+    IF lock_wait IS NULL OR extract(epoch FROM lock_wait) < 0.001 OR extract(epoch FROM lock_wait) > 3600 THEN
         RAISE EXCEPTION USING ERRCODE = '22023',
             MESSAGE = format('lock_wait %s is out of range (1ms to 1h)', coalesce(extract(epoch FROM lock_wait)::text || 's', 'NULL')),
             HINT = 'Without a bound a DDL step waits without limit, and claims queue behind it.';
@@ -213,22 +215,21 @@ $$;
 -- +goose StatementEnd
 
 -- +goose StatementBegin
--- Makes the partition of one month one step at a time; each call is meant
--- to be its own transaction, and its answer says what it did:
+-- Makes the partition of one month, and says what became of it:
 --   'exists'   the month has its partition (attached with its bounds);
---   'created'  this call attached it;
---   'continue' a step was done, call again (in a new transaction);
+--   'created'  this call made and attached it;
 --   'kept: ...' rows of the month are in the default partition: they stay
 --              there (claims find them) until prune deletes them, and the
---              month gets no partition meanwhile.
--- A table with the month's name that idem did not make (another owner, or
--- without idem's month check) is refused with ID007, never taken for the
--- partition. When the default partition holds rows of other months, it is
--- proven free of this month by a CHECK constraint added NOT VALID (a brief
--- lock) and validated in the next step (a scan that blocks no claim), so
--- the attach needs no scan under its lock. The current month is attached
--- directly: meanwhile the constraint would refuse its claims.
-CREATE FUNCTION idem.partition_step(month date) RETURNS text
+--              month gets no partition meanwhile (moving them would lock
+--              the partition every claim reads for as long as it took).
+-- A month is recognised by what it is, never by a table's name: a table
+-- with the month's name that is not its partition is refused (ID007),
+-- whether somebody else made it or it is a month detached by rotate
+-- --keep-detached. A month more than 24 months ahead is refused (22023),
+-- as rotation's premake. The attach locks the default partition while it
+-- checks that it holds none of the month's rows (a read of that
+-- partition; the caller's lock_timeout bounds the wait for the lock).
+CREATE FUNCTION idem.make_month(month date) RETURNS text
     LANGUAGE plpgsql VOLATILE
     SECURITY DEFINER
     SET search_path = pg_catalog, pg_temp
@@ -239,94 +240,67 @@ DECLARE
     v_hi    date;
     v_name  text;
     v_rel   regclass;
-    v_con   text;
-    v_valid boolean;
-    v_def   regclass := 'idem.processed_events_default'::regclass;
+    v_owner oid := (SELECT n.nspowner FROM pg_namespace n WHERE n.nspname = 'idem');
 BEGIN
     IF month IS NULL THEN
-        RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'idem.partition_step: month must not be NULL';
+        RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'idem.make_month: month must not be NULL';
     END IF;
     v_lo := date_trunc('month', month::timestamp)::date;
     v_hi := (v_lo::timestamp + interval '1 month')::date;
+    IF v_lo > (idem.utc_month(idem.clock())::timestamp + interval '24 months')::date THEN
+        RAISE EXCEPTION USING ERRCODE = '22023',
+            MESSAGE = format('idem.make_month: %s is more than 24 months ahead', to_char(v_lo, 'YYYY-MM'));
+    END IF;
     v_name := idem.partition_name(v_lo);
-    v_con := 'idem_not_' || to_char(v_lo, 'YYYY_MM');
-    SELECT c.convalidated INTO v_valid FROM pg_constraint c WHERE c.conrelid = v_def AND c.conname = v_con;
 
     IF EXISTS (SELECT 1 FROM idem.partition_months() p
                 WHERE NOT p.is_default AND p.month_from = v_lo AND p.month_to = v_hi) THEN
-        IF v_valid IS NOT NULL THEN
-            EXECUTE format('ALTER TABLE %s DROP CONSTRAINT %I', v_def, v_con);
-        END IF;
         RETURN 'exists';
     END IF;
 
     v_rel := to_regclass(format('idem.%I', v_name));
-    IF v_rel IS NOT NULL AND NOT EXISTS (
-            SELECT 1 FROM pg_class c JOIN pg_constraint k ON k.conrelid = c.oid
-             WHERE c.oid = v_rel AND c.relkind = 'r' AND NOT c.relispartition
-               AND c.relowner = (SELECT n.nspowner FROM pg_namespace n WHERE n.nspname = 'idem')
-               AND k.conname = 'idem_month' AND k.contype = 'c') THEN
+    IF v_rel IS NOT NULL THEN
+        IF EXISTS (SELECT 1 FROM pg_class c WHERE c.oid = v_rel AND c.relowner = v_owner AND c.relkind = 'r' AND NOT c.relispartition) THEN
+            RAISE EXCEPTION USING ERRCODE = 'ID007',
+                MESSAGE = format('idem.make_month: %s is a detached month (kept by rotate --keep-detached), not the partition of %s', v_rel, to_char(v_lo, 'YYYY-MM')),
+                HINT = 'Archive it under another name (ALTER TABLE ... RENAME) or drop it; the next rotation makes the month.';
+        END IF;
         RAISE EXCEPTION USING ERRCODE = 'ID007',
-            MESSAGE = format('idem.partition_step: %s is not the partition of %s: idem did not make it', v_rel, to_char(v_lo, 'YYYY-MM')),
-            DETAIL = format('Its owner is %s; a table of that name is taken for the month only when idem made it.',
+            MESSAGE = format('idem.make_month: %s is not the partition of %s: idem did not make it', v_rel, to_char(v_lo, 'YYYY-MM')),
+            DETAIL = format('Its owner is %s; a table of that name is never taken for the month.',
                             (SELECT c.relowner::regrole FROM pg_class c WHERE c.oid = v_rel)),
             HINT = 'Inspect it, then drop or rename it (and revoke CREATE on schema idem from everyone but its owner); the next rotation makes the month.';
     END IF;
 
     IF EXISTS (SELECT 1 FROM idem.processed_events_default d
                 WHERE d.first_seen_month >= v_lo AND d.first_seen_month < v_hi) THEN
-        IF v_valid IS NOT NULL THEN
-            EXECUTE format('ALTER TABLE %s DROP CONSTRAINT %I', v_def, v_con);
-        END IF;
         RETURN 'kept: rows of this month are in the default partition; they stay there until prune deletes them';
     END IF;
 
-    IF v_rel IS NULL THEN
-        EXECUTE format('CREATE TABLE idem.%I (LIKE idem.processed_events INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING INDEXES) WITH (fillfactor = 85)', v_name);
-        EXECUTE format('ALTER TABLE idem.%I ADD CONSTRAINT idem_month CHECK (first_seen_month >= %L::date AND first_seen_month < %L::date)',
-                       v_name, v_lo, v_hi);
-    END IF;
-
-    IF v_valid IS NULL AND v_lo > idem.utc_month(idem.clock())
-       AND EXISTS (SELECT 1 FROM idem.processed_events_default d LIMIT 1) THEN
-        EXECUTE format('ALTER TABLE %s ADD CONSTRAINT %I CHECK (first_seen_month < %L::date OR first_seen_month >= %L::date) NOT VALID',
-                       v_def, v_con, v_lo, v_hi);
-        RETURN 'continue';
-    END IF;
-    IF v_valid IS NOT NULL AND NOT v_valid THEN
-        EXECUTE format('ALTER TABLE %s VALIDATE CONSTRAINT %I', v_def, v_con);
-        RETURN 'continue';
-    END IF;
+    -- The month's own check lets the attach skip scanning the new table.
+    EXECUTE format('CREATE TABLE idem.%I (LIKE idem.processed_events INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING INDEXES) WITH (fillfactor = 85)', v_name);
+    EXECUTE format('ALTER TABLE idem.%I ADD CONSTRAINT idem_month CHECK (first_seen_month >= %L::date AND first_seen_month < %L::date)',
+                   v_name, v_lo, v_hi);
     EXECUTE format('ALTER TABLE idem.processed_events ATTACH PARTITION idem.%I FOR VALUES FROM (%L) TO (%L)',
                    v_name, v_lo, v_hi);
-    IF v_valid IS NOT NULL THEN
-        EXECUTE format('ALTER TABLE %s DROP CONSTRAINT %I', v_def, v_con);
-    END IF;
     RETURN 'created';
 END
 $$;
 -- +goose StatementEnd
 
 -- +goose StatementBegin
--- The month's partition in one transaction (the steps of
--- idem.partition_step): its name, or NULL when the month's rows are in the
--- default partition. Rotation runs the steps in transactions of their own.
+-- The month's partition (idem.make_month): its name, or NULL when the
+-- month's rows are in the default partition.
 CREATE OR REPLACE FUNCTION idem.create_partition(p_month date) RETURNS text
     LANGUAGE plpgsql
     SECURITY DEFINER
     SET search_path = pg_catalog, pg_temp
 AS $$
-DECLARE
-    v_res text;
 BEGIN
     IF p_month IS NULL THEN
         RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'idem.create_partition: month must not be NULL';
     END IF;
-    LOOP
-        v_res := idem.partition_step(p_month);
-        EXIT WHEN v_res <> 'continue';
-    END LOOP;
-    IF v_res LIKE 'kept:%' THEN
+    IF idem.make_month(p_month) LIKE 'kept:%' THEN
         RETURN NULL;
     END IF;
     RETURN idem.partition_name(date_trunc('month', p_month::timestamp)::date);
@@ -409,15 +383,15 @@ DECLARE
 BEGIN
     PERFORM idem.check_prune_args(batch_size, max_batches);
     v_holder := idem.sql_holder();
-    SELECT l.acquired INTO v_got FROM idem.try_lock('prune', v_holder, NULL) l;
+    SELECT l.acquired INTO v_got FROM idem.try_lock('prune'::text, v_holder, NULL::interval) l;
     IF NOT v_got THEN
-        PERFORM idem.record_run('prune', v_start, 'skipped', '{}', NULL, v_holder);
+        PERFORM idem.record_run('prune'::text, v_start, 'skipped'::text, '{}'::jsonb, NULL::text, v_holder);
         RAISE NOTICE 'idem.prune: skipped, another prune holds the lock';
         RETURN;
     END IF;
     COMMIT;
     FOR i IN 1..max_batches LOOP
-        PERFORM idem.try_lock('prune', v_holder, NULL);
+        PERFORM idem.try_lock('prune'::text, v_holder, NULL::interval);
         v_n := idem.prune_batch(v_holder, batch_size);
         v_total := v_total OPERATOR(pg_catalog.+) v_n;
         v_batches := v_batches OPERATOR(pg_catalog.+) 1;
@@ -426,9 +400,9 @@ BEGIN
     END LOOP;
     v_folded := idem.compact_duplicate_counts();
     COMMIT;
-    PERFORM idem.release_lock('prune', v_holder);
-    PERFORM idem.record_run('prune', v_start, 'ok',
-        pg_catalog.jsonb_build_object('deleted', v_total, 'batches', v_batches, 'folded', v_folded), NULL, v_holder);
+    PERFORM idem.release_lock('prune'::text, v_holder);
+    PERFORM idem.record_run('prune'::text, v_start, 'ok'::text,
+        pg_catalog.jsonb_build_object('deleted'::text, v_total, 'batches'::text, v_batches, 'folded'::text, v_folded), NULL::text, v_holder);
     COMMIT;
     RAISE NOTICE 'idem.prune: deleted % rows, folded % duplicate-count rows', v_total, v_folded;
 END
@@ -437,8 +411,7 @@ $$;
 
 -- +goose StatementBegin
 -- For pg_cron: CALL idem.rotate(); makes the partitions of the current
--- month and the next `premake` (idem.partition_step, one step a
--- transaction), then retires past months whose rows have all expired, and
+-- month and the next `premake` (idem.make_month, a transaction each), then retires past months whose rows have all expired, and
 -- records the run in idem.runs. Each step waits at most lock_wait for its
 -- locks; a step that times out is left for the next run. The same steps,
 -- lease and bounds as idemctl partitions rotate (which also retries a
@@ -469,30 +442,27 @@ DECLARE
 BEGIN
     v_wait := idem.check_rotate_args(premake, lock_wait);
     v_holder := idem.sql_holder();
-    SELECT l.acquired INTO v_got FROM idem.try_lock('rotate', v_holder, NULL) l;
+    SELECT l.acquired INTO v_got FROM idem.try_lock('rotate'::text, v_holder, NULL::interval) l;
     IF NOT v_got THEN
-        PERFORM idem.record_run('rotate', v_start, 'skipped', '{}', NULL, v_holder);
+        PERFORM idem.record_run('rotate'::text, v_start, 'skipped'::text, '{}'::jsonb, NULL::text, v_holder);
         RAISE NOTICE 'idem.rotate: skipped, another rotation holds the lock';
         RETURN;
     END IF;
     COMMIT;
     FOR v_month IN SELECT m.m FROM idem.months_to_create(premake) m(m) LOOP
-        LOOP
-            v_res := NULL;
-            BEGIN
-                PERFORM pg_catalog.set_config('lock_timeout', v_wait, true);
-                v_res := idem.partition_step(v_month);
-            EXCEPTION
-                WHEN lock_not_available THEN
-                    v_gaveup := v_gaveup OPERATOR(pg_catalog.+) 1;
-                    RAISE NOTICE 'idem.rotate: could not lock for %, left for the next run', v_month;
-                WHEN OTHERS THEN
-                    GET STACKED DIAGNOSTICS v_state = RETURNED_SQLSTATE, v_msg = MESSAGE_TEXT,
-                                            v_detail = PG_EXCEPTION_DETAIL, v_hint = PG_EXCEPTION_HINT;
-            END;
-            COMMIT;
-            EXIT WHEN v_state IS NOT NULL OR v_res IS NULL OR v_res OPERATOR(pg_catalog.<>) 'continue';
-        END LOOP;
+        v_res := NULL;
+        BEGIN
+            PERFORM pg_catalog.set_config('lock_timeout'::text, v_wait, true);
+            v_res := idem.make_month(v_month);
+        EXCEPTION
+            WHEN lock_not_available THEN
+                v_gaveup := v_gaveup OPERATOR(pg_catalog.+) 1;
+                RAISE NOTICE 'idem.rotate: could not lock for %, left for the next run', v_month;
+            WHEN OTHERS THEN
+                GET STACKED DIAGNOSTICS v_state = RETURNED_SQLSTATE, v_msg = MESSAGE_TEXT,
+                                        v_detail = PG_EXCEPTION_DETAIL, v_hint = PG_EXCEPTION_HINT;
+        END;
+        COMMIT;
         EXIT WHEN v_state IS NOT NULL;
         IF v_res OPERATOR(pg_catalog.=) 'created' THEN
             v_made := v_made OPERATOR(pg_catalog.+) 1;
@@ -505,7 +475,7 @@ BEGIN
         EXIT WHEN v_state IS NOT NULL;
         v_res := NULL; -- a lock timeout must not leave the previous partition's result behind
         BEGIN
-            PERFORM pg_catalog.set_config('lock_timeout', v_wait, true);
+            PERFORM pg_catalog.set_config('lock_timeout'::text, v_wait, true);
             v_res := idem.retire_partition(v_part, true);
             RAISE NOTICE 'idem.rotate: %: %', v_part, v_res;
         EXCEPTION
@@ -527,10 +497,10 @@ BEGIN
             COMMIT;
         END IF;
     END LOOP;
-    PERFORM idem.release_lock('rotate', v_holder);
-    PERFORM idem.record_run('rotate', v_start,
-        CASE WHEN v_state IS NOT NULL THEN 'error' WHEN v_gaveup OPERATOR(pg_catalog.>) 0 THEN 'incomplete' ELSE 'ok' END,
-        pg_catalog.jsonb_build_object('created', v_made, 'retired', v_gone, 'kept', v_kept, 'gave_up', v_gaveup), v_msg, v_holder);
+    PERFORM idem.release_lock('rotate'::text, v_holder);
+    PERFORM idem.record_run('rotate'::text, v_start,
+        CASE WHEN v_state IS NOT NULL THEN 'error'::text WHEN v_gaveup OPERATOR(pg_catalog.>) 0 THEN 'incomplete'::text ELSE 'ok'::text END,
+        pg_catalog.jsonb_build_object('created'::text, v_made, 'retired'::text, v_gone, 'kept'::text, v_kept, 'gave_up'::text, v_gaveup), v_msg, v_holder);
     COMMIT;
     IF v_state IS NOT NULL THEN
         RAISE EXCEPTION USING ERRCODE = v_state, MESSAGE = v_msg,
@@ -619,8 +589,8 @@ $$;
 -- +goose StatementBegin
 -- What idemctl check reports about who may do what: roles that are both,
 -- CREATE on schema idem for anyone but its owner, tables named like a
--- month that are not its partition, and a half-made month's constraint
--- left on the default partition. One row a problem, with what to do.
+-- month that are not its partition, and any other object in schema idem
+-- that idem's owner does not own (it could shadow idem's functions). One row a problem, with what to do.
 CREATE FUNCTION idem.audit() RETURNS TABLE (problem text, fix text)
     LANGUAGE sql STABLE
     SECURITY DEFINER
@@ -641,23 +611,126 @@ AS $$
            format('inspect it, then DROP TABLE %s (rotation makes the month)', c.oid::regclass)
       FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
      WHERE n.nspname = 'idem' AND c.relname ~ '^processed_events_p[0-9]{4}_[0-9]{2}$' AND NOT c.relispartition
-       AND (c.relowner <> n.nspowner OR NOT EXISTS (SELECT 1 FROM pg_constraint k WHERE k.conrelid = c.oid AND k.conname = 'idem_month'))
+       AND c.relowner <> n.nspowner
     UNION ALL
-    SELECT format('the default partition carries %s, left by a rotation that stopped half-way', k.conname),
-           'run idemctl partitions rotate (it finishes the month)'
-      FROM pg_constraint k
-     WHERE k.conrelid = 'idem.processed_events_default'::regclass AND k.conname ~ '^idem_not_'
+    SELECT format('%s %s in schema idem is owned by %s, not by idem''s owner', o.kind, o.name, o.owner),
+           format('inspect it, then drop it: a role that may create in schema idem can shadow idem''s own functions')
+      FROM (SELECT 'function' AS kind, p.oid::regprocedure::text AS name, p.proowner::regrole::text AS owner
+              FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+             WHERE n.nspname = 'idem' AND p.proowner <> n.nspowner
+            UNION ALL
+            SELECT 'relation', c.oid::regclass::text, c.relowner::regrole::text
+              FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+             WHERE n.nspname = 'idem' AND c.relowner <> n.nspowner
+               AND c.relname !~ '^processed_events_p[0-9]{4}_[0-9]{2}$'
+            UNION ALL
+            SELECT 'type', t.oid::regtype::text, t.typowner::regrole::text
+              FROM pg_type t JOIN pg_namespace n ON n.oid = t.typnamespace
+             WHERE n.nspname = 'idem' AND t.typowner <> n.nspowner AND t.typrelid = 0 AND t.typelem = 0) o
+$$;
+-- +goose StatementEnd
+
+-- +goose StatementBegin
+-- Refuses (42809) a legacy relation that would run code of its owner's
+-- choosing as whoever reads it: the adoption reads it as idem's owner,
+-- and claims read it through SECURITY DEFINER functions while it copies.
+-- A view, a materialized view, a foreign or partitioned table, a table
+-- with children, or one with row level security (its policies' functions
+-- run as the reader) is refused: copy its rows into a plain table first.
+CREATE FUNCTION idem.check_legacy(legacy regclass) RETURNS void
+    LANGUAGE plpgsql STABLE
+    SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    c record;
+BEGIN
+    SELECT x.relkind, x.relrowsecurity, x.relhassubclass INTO c FROM pg_class x WHERE x.oid = check_legacy.legacy;
+    IF NOT FOUND OR c.relkind <> 'r' OR c.relrowsecurity OR c.relhassubclass THEN
+        RAISE EXCEPTION USING ERRCODE = '42809',
+            MESSAGE = format('idem.adopt: %s is not a plain table (a view, a foreign or partitioned table, a table with children or with row level security runs code of its owner''s choosing as whoever reads it)', check_legacy.legacy),
+            HINT = 'Copy the legacy rows into a plain table (CREATE TABLE ... AS SELECT ...) as a role you trust, and adopt that.';
+    END IF;
+END
+$$;
+-- +goose StatementEnd
+
+-- +goose StatementBegin
+-- adopt_start, version 14: the legacy relation must be a plain table
+-- (idem.check_legacy).
+CREATE OR REPLACE FUNCTION idem.adopt_start(source text, legacy regclass, key_column text, at_column text,
+                                 result_column text DEFAULT NULL, ttl interval DEFAULT NULL) RETURNS bigint
+    LANGUAGE plpgsql VOLATILE
+    SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_id   bigint;
+    v_ttl  interval;
+    v_col  text;
+    v_min  timestamptz;
+    v_m    date;
+    a      idem.adoptions;
+    e      record;
+BEGIN
+    IF adopt_start.source IS NULL OR btrim(adopt_start.source) = '' OR octet_length(adopt_start.source) > 64 THEN
+        RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = 'idem.adopt_start: source must be 1 to 64 bytes, not blank';
+    END IF;
+    IF adopt_start.legacy IS NULL OR adopt_start.key_column IS NULL OR adopt_start.at_column IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'idem.adopt_start: legacy, key_column and at_column are required';
+    END IF;
+    PERFORM idem.check_legacy(adopt_start.legacy);
+    FOREACH v_col IN ARRAY ARRAY[adopt_start.key_column, adopt_start.at_column, adopt_start.result_column] LOOP
+        IF v_col IS NOT NULL AND NOT EXISTS (SELECT 1 FROM pg_attribute t WHERE t.attrelid = adopt_start.legacy
+                                                AND t.attname = v_col AND t.attnum > 0 AND NOT t.attisdropped) THEN
+            RAISE EXCEPTION USING ERRCODE = '42703',
+                MESSAGE = format('idem.adopt_start: %s has no column %I', adopt_start.legacy, v_col);
+        END IF;
+    END LOOP;
+    IF NOT EXISTS (SELECT 1 FROM pg_attribute t WHERE t.attrelid = adopt_start.legacy AND t.attname = adopt_start.at_column
+                      AND t.atttypid IN ('timestamptz'::regtype, 'timestamp'::regtype, 'date'::regtype)) THEN
+        RAISE EXCEPTION USING ERRCODE = '42804',
+            MESSAGE = format('idem.adopt_start: %s.%I is not a timestamp or a date', adopt_start.legacy, adopt_start.at_column);
+    END IF;
+    SELECT x.id INTO v_id FROM idem.adoptions x WHERE x.source = adopt_start.source AND x.state = 'copying';
+    IF FOUND THEN
+        SELECT * INTO a FROM idem.adoptions x WHERE x.id = v_id;
+        IF a.legacy <> adopt_start.legacy OR a.key_column <> adopt_start.key_column OR a.at_column <> adopt_start.at_column
+           OR a.result_column IS DISTINCT FROM adopt_start.result_column THEN
+            RAISE EXCEPTION USING ERRCODE = '55000',
+                MESSAGE = format('idem.adopt_start: source %L is already adopting %s (key %I, at %I); finish it first', adopt_start.source, a.legacy, a.key_column, a.at_column);
+        END IF;
+        RETURN v_id; -- resumed
+    END IF;
+    v_ttl := coalesce(adopt_start.ttl,
+                      (SELECT p.ttl FROM idem.policies p WHERE p.source IN (adopt_start.source, '*') ORDER BY p.source = '*' LIMIT 1));
+    IF v_ttl IS NULL OR NOT idem.valid_ttl(v_ttl) THEN
+        RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = format('idem.adopt_start: ttl %s is out of range (1 minute to 10 years) or there is no policy', v_ttl);
+    END IF;
+    INSERT INTO idem.adoptions (source, legacy, key_column, at_column, result_column, ttl)
+    VALUES (adopt_start.source, adopt_start.legacy, adopt_start.key_column, adopt_start.at_column, adopt_start.result_column, v_ttl)
+    RETURNING * INTO a;
+    -- Claims look back as far as the adopted rows' retention.
+    PERFORM idem.raise_lookback(adopt_start.source, idem.days_at_most(v_ttl));
+    -- The months the live legacy rows were processed in.
+    SELECT * INTO e FROM idem.adopt_exprs(a);
+    EXECUTE format('SELECT min(%s) FROM %s l WHERE %s > $1', e.at_expr, a.legacy, e.at_expr) INTO v_min USING idem.clock() - v_ttl;
+    IF v_min IS NOT NULL THEN
+        FOR v_m IN SELECT g::date FROM generate_series(idem.utc_month(v_min)::timestamp, idem.utc_month(idem.clock())::timestamp, interval '1 month') g LOOP
+            PERFORM idem.create_partition(v_m);
+        END LOOP;
+    END IF;
+    RETURN a.id;
+END
 $$;
 -- +goose StatementEnd
 
 REVOKE ALL ON FUNCTION idem.check_prune_args(integer, integer), idem.check_rotate_args(integer, interval),
-    idem.partition_step(date), idem.sql_holder(), idem.role_conflicts(), idem.refuse_role_conflicts(regrole),
-    idem.audit() FROM PUBLIC;
+    idem.make_month(date), idem.sql_holder(), idem.role_conflicts(), idem.refuse_role_conflicts(regrole),
+    idem.audit(), idem.check_legacy(regclass) FROM PUBLIC;
 
 INSERT INTO idem.rights (grantee, privilege, kind, object) VALUES
     ('maintainer', 'EXECUTE', 'FUNCTION', 'idem.check_prune_args(integer, integer)'),
     ('maintainer', 'EXECUTE', 'FUNCTION', 'idem.check_rotate_args(integer, interval)'),
-    ('maintainer', 'EXECUTE', 'FUNCTION', 'idem.partition_step(date)'),
+    ('maintainer', 'EXECUTE', 'FUNCTION', 'idem.make_month(date)'),
     ('maintainer', 'EXECUTE', 'FUNCTION', 'idem.sql_holder()'),
     ('maintainer', 'EXECUTE', 'FUNCTION', 'idem.audit()');
 
@@ -666,7 +739,7 @@ SELECT idem.regrant();
 -- +goose Down
 DELETE FROM idem.rights x
  WHERE x.object IN ('idem.check_prune_args(integer, integer)', 'idem.check_rotate_args(integer, interval)',
-                    'idem.partition_step(date)', 'idem.sql_holder()', 'idem.audit()');
+                    'idem.make_month(date)', 'idem.sql_holder()', 'idem.audit()');
 
 -- +goose StatementBegin
 -- idem.try_lock as migration 6 left it.
@@ -987,10 +1060,78 @@ END
 $$;
 -- +goose StatementEnd
 
+-- +goose StatementBegin
+-- idem.adopt_start as migration 9 left it.
+CREATE OR REPLACE FUNCTION idem.adopt_start(source text, legacy regclass, key_column text, at_column text,
+                                 result_column text DEFAULT NULL, ttl interval DEFAULT NULL) RETURNS bigint
+    LANGUAGE plpgsql VOLATILE
+    SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_id   bigint;
+    v_ttl  interval;
+    v_col  text;
+    v_min  timestamptz;
+    v_m    date;
+    a      idem.adoptions;
+    e      record;
+BEGIN
+    IF adopt_start.source IS NULL OR btrim(adopt_start.source) = '' OR octet_length(adopt_start.source) > 64 THEN
+        RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = 'idem.adopt_start: source must be 1 to 64 bytes, not blank';
+    END IF;
+    IF adopt_start.legacy IS NULL OR adopt_start.key_column IS NULL OR adopt_start.at_column IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'idem.adopt_start: legacy, key_column and at_column are required';
+    END IF;
+    FOREACH v_col IN ARRAY ARRAY[adopt_start.key_column, adopt_start.at_column, adopt_start.result_column] LOOP
+        IF v_col IS NOT NULL AND NOT EXISTS (SELECT 1 FROM pg_attribute t WHERE t.attrelid = adopt_start.legacy
+                                                AND t.attname = v_col AND t.attnum > 0 AND NOT t.attisdropped) THEN
+            RAISE EXCEPTION USING ERRCODE = '42703',
+                MESSAGE = format('idem.adopt_start: %s has no column %I', adopt_start.legacy, v_col);
+        END IF;
+    END LOOP;
+    IF NOT EXISTS (SELECT 1 FROM pg_attribute t WHERE t.attrelid = adopt_start.legacy AND t.attname = adopt_start.at_column
+                      AND t.atttypid IN ('timestamptz'::regtype, 'timestamp'::regtype, 'date'::regtype)) THEN
+        RAISE EXCEPTION USING ERRCODE = '42804',
+            MESSAGE = format('idem.adopt_start: %s.%I is not a timestamp or a date', adopt_start.legacy, adopt_start.at_column);
+    END IF;
+    SELECT x.id INTO v_id FROM idem.adoptions x WHERE x.source = adopt_start.source AND x.state = 'copying';
+    IF FOUND THEN
+        SELECT * INTO a FROM idem.adoptions x WHERE x.id = v_id;
+        IF a.legacy <> adopt_start.legacy OR a.key_column <> adopt_start.key_column OR a.at_column <> adopt_start.at_column
+           OR a.result_column IS DISTINCT FROM adopt_start.result_column THEN
+            RAISE EXCEPTION USING ERRCODE = '55000',
+                MESSAGE = format('idem.adopt_start: source %L is already adopting %s (key %I, at %I); finish it first', adopt_start.source, a.legacy, a.key_column, a.at_column);
+        END IF;
+        RETURN v_id; -- resumed
+    END IF;
+    v_ttl := coalesce(adopt_start.ttl,
+                      (SELECT p.ttl FROM idem.policies p WHERE p.source IN (adopt_start.source, '*') ORDER BY p.source = '*' LIMIT 1));
+    IF v_ttl IS NULL OR NOT idem.valid_ttl(v_ttl) THEN
+        RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = format('idem.adopt_start: ttl %s is out of range (1 minute to 10 years) or there is no policy', v_ttl);
+    END IF;
+    INSERT INTO idem.adoptions (source, legacy, key_column, at_column, result_column, ttl)
+    VALUES (adopt_start.source, adopt_start.legacy, adopt_start.key_column, adopt_start.at_column, adopt_start.result_column, v_ttl)
+    RETURNING * INTO a;
+    -- Claims look back as far as the adopted rows' retention.
+    PERFORM idem.raise_lookback(adopt_start.source, idem.days_at_most(v_ttl));
+    -- The months the live legacy rows were processed in.
+    SELECT * INTO e FROM idem.adopt_exprs(a);
+    EXECUTE format('SELECT min(%s) FROM %s l WHERE %s > $1', e.at_expr, a.legacy, e.at_expr) INTO v_min USING idem.clock() - v_ttl;
+    IF v_min IS NOT NULL THEN
+        FOR v_m IN SELECT g::date FROM generate_series(idem.utc_month(v_min)::timestamp, idem.utc_month(idem.clock())::timestamp, interval '1 month') g LOOP
+            PERFORM idem.create_partition(v_m);
+        END LOOP;
+    END IF;
+    RETURN a.id;
+END
+$$;
+-- +goose StatementEnd
+
+DROP FUNCTION idem.check_legacy(regclass);
 DROP FUNCTION idem.audit();
 DROP FUNCTION idem.refuse_role_conflicts(regrole);
 DROP FUNCTION idem.role_conflicts();
 DROP FUNCTION idem.sql_holder();
-DROP FUNCTION idem.partition_step(date);
+DROP FUNCTION idem.make_month(date);
 DROP FUNCTION idem.check_rotate_args(integer, interval);
 DROP FUNCTION idem.check_prune_args(integer, integer);

@@ -43,10 +43,10 @@ SELECT m::date AS month FROM idem.months_to_create(sqlc.arg(premake)::integer) A
 -- name: CreatePartition :one
 SELECT idem.create_partition(sqlc.arg(month)::date)::text AS name;
 
--- name: PartitionStep :one
--- One step of making a month's partition (migration 14): 'exists',
--- 'created', 'continue' (call again, in a new transaction) or 'kept: ...'.
-SELECT idem.partition_step(sqlc.arg(month)::date)::text AS result;
+-- name: MakeMonth :one
+-- Makes a month's partition (migration 14): 'exists', 'created' or
+-- 'kept: ...' (its rows are in the default partition).
+SELECT idem.make_month(sqlc.arg(month)::date)::text AS result;
 
 -- name: CheckRotateArgs :one
 -- The bounds of CALL idem.rotate()'s arguments (22023 when out of range).

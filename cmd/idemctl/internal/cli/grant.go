@@ -32,7 +32,7 @@ func runGrant(ctx context.Context, io IO, g *globals, args []string) error {
 	defer pool.Close()
 	if *app != "" && *maint != "" {
 		var same bool
-		if err := pool.QueryRow(ctx, `SELECT $1::regrole = $2::regrole`, *app, *maint).Scan(&same); err != nil {
+		if err := pool.QueryRow(ctx, `SELECT $1::regrole::oid = $2::regrole::oid`, *app, *maint).Scan(&same); err != nil {
 			return fmt.Errorf("resolve the roles: %w", err)
 		}
 		if same {

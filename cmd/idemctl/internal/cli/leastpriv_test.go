@@ -352,11 +352,10 @@ func TestBoundsCheckedInSQL(t *testing.T) {
 // month began, so 300,000 of its rows sit in the default partition, which
 // every claim reads. Rotation (with a 200ms lock timeout) makes the months
 // ahead while claims run from four connections: the rows stay where they
-// are (claims find them), the months ahead are attached with the default
-// partition proven free of them by a constraint validated without blocking
-// claims, and no claim waits behind rotation for more than a moment.
-// Moving the rows, as rotation did before, held the default partition's
-// exclusive lock for seconds.
+// are (claims find them), each month ahead is attached after a read of the
+// default partition under its lock, and no claim waits behind rotation for
+// more than that read. Moving the rows, as rotation did before, held the
+// default partition's exclusive lock for seconds.
 func TestDefaultPartitionNeverStallsClaims(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -416,13 +415,8 @@ func TestDefaultPartitionNeverStallsClaims(t *testing.T) {
 	if err := admin.QueryRow(ctx, `SELECT count(*) FROM idem.processed_events_default WHERE key LIKE 'stray-%'`).Scan(&inDefault); err != nil || inDefault != rows {
 		t.Fatalf("%d seeded rows left in the default partition (%v), want %d", inDefault, err, rows)
 	}
-	var leftover int
-	_ = admin.QueryRow(ctx, `SELECT count(*) FROM pg_constraint WHERE conrelid = 'idem.processed_events_default'::regclass AND conname LIKE 'idem_not_%'`).Scan(&leftover)
-	if leftover != 0 {
-		t.Errorf("%d rotation constraints left on the default partition", leftover)
-	}
 	// A bound, not a benchmark: moving the rows held every claim for
-	// seconds; a claim now waits at most for a brief lock.
+	// seconds; a claim now waits at most for the attach's read.
 	t.Logf("longest claim during rotation: %s", worst)
 	if worst > 1500*time.Millisecond {
 		t.Fatalf("a claim waited %s during rotation (lock timeout 200ms)", worst)
