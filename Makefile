@@ -38,6 +38,13 @@ schema:
 schema-check:
 	go run ./internal/schemagen -check
 
+# Start the next migration from today's definitions of the objects named:
+# make migration NAME=claim_wait OBJECTS="idem.claim idem.complete"
+# (docs/contributing.md: the rest of the steps).
+migration:
+	@test -n "$(NAME)" -a -n "$(OBJECTS)" || { echo 'usage: make migration NAME=short_name OBJECTS="idem.claim ..."'; exit 2; }
+	go run ./internal/newmigration $(NAME) $(OBJECTS)
+
 # Each fuzz target briefly; FUZZTIME=5m for a longer run.
 FUZZTIME ?= 10s
 fuzz:
