@@ -94,18 +94,19 @@ func riverError(ctx context.Context, pool *pgxpool.Pool, schema string, err erro
 	if sqlstate.Of(err) != sqlstate.InsufficientPrivilege {
 		return fmt.Errorf("inbox: River migrations: %w", err)
 	}
-	var role, current string
-	_ = pool.QueryRow(ctx, `SELECT current_user, coalesce(current_schema(), '')`).Scan(&role, &current)
-	where := schema
-	if where == "" {
-		where = current
+	where, what := schema, "the schema asked for"
+	if schema == "" {
+		what = "the search_path's first schema"
 	}
+	var role, roleIdent, whereIdent string
+	_ = pool.QueryRow(ctx, `SELECT current_user, pg_catalog.quote_ident(current_user),
+	                               coalesce(nullif($1, ''), current_schema(), ''), pg_catalog.quote_ident(coalesce(nullif($1, ''), current_schema(), ''))`,
+		schema).Scan(&role, &roleIdent, &where, &whereIdent)
 	return fmt.Errorf("%w: River's tables go in schema %q (%s), where role %q may not CREATE (on PostgreSQL 15 and later only the database's owner may create in schema public). "+
 		"Either give River a schema the role owns (CREATE SCHEMA river AUTHORIZATION %s; then idemctl migrate up --river-schema river, "+
 		"or inbox.Migrate's schema argument, and the same schema in the inbox's Config), or GRANT CREATE ON SCHEMA %s TO %s, "+
 		"or skip River's step (idemctl migrate up --river=false) if the inbox is not used: %w",
-		ErrRiverSchemaNotWritable, where, map[bool]string{true: "the search_path's first schema", false: "the schema asked for"}[schema == ""],
-		role, pgx.Identifier{role}.Sanitize(), pgx.Identifier{where}.Sanitize(), pgx.Identifier{role}.Sanitize(), err)
+		ErrRiverSchemaNotWritable, where, what, role, roleIdent, whereIdent, roleIdent, err)
 }
 
 // errNotMigrated is returned when River's tables are missing.
