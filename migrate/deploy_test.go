@@ -214,7 +214,7 @@ func TestRacingMigrateUpThroughPgBouncer(t *testing.T) {
 			t.Fatalf("from %d: the version table holds %d rows of %d versions, want %d", from, rows, distinct, migrate.Latest())
 		}
 		var locks int
-		if err := direct.QueryRowContext(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = 0 AND objid = $1 AND objsubid = 1`,
+		if err := direct.QueryRowContext(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) AND classid = 0 AND objid = $1 AND objsubid = 1`,
 			migrate.LockID).Scan(&locks); err != nil {
 			t.Fatal(err)
 		}

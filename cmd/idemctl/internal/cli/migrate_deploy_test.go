@@ -73,7 +73,7 @@ func TestMigrateUpRacingThroughPgBouncer(t *testing.T) {
 		SELECT (SELECT count(*) FROM idem.goose_db_version WHERE version_id > 0),
 		       (SELECT count(DISTINCT version_id) FROM idem.goose_db_version WHERE version_id > 0),
 		       (SELECT count(*) FROM river_migration), (SELECT count(DISTINCT version) FROM river_migration),
-		       (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = 0 AND objid IN ($1, $2) AND objsubid = 1)`,
+		       (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) AND classid = 0 AND objid IN ($1, $2) AND objsubid = 1)`,
 		migrate.LockID, inbox.MigrateLockID).Scan(&rows, &distinct, &riverRows, &riverDistinct, &locks); err != nil {
 		t.Fatal(err)
 	}
