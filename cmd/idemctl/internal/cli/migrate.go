@@ -9,6 +9,7 @@ import (
 	"math"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pressly/goose/v3"
 
 	"github.com/idemkit/idem/inbox"
@@ -82,55 +83,9 @@ func runMigrate(ctx context.Context, io IO, g *globals, args []string) error {
 	p := m.Provider()
 	switch sub {
 	case "up":
-		upTo := int64(math.MaxInt64)
-		if to != nil {
-			upTo = *to
-		}
-		res, err := m.UpTo(ctx, upTo)
-		for _, r := range res {
-			fmt.Fprintf(io.Out, "applied %s (%s)\n", r.Source.Path, r.Duration.Round(1e6))
-		}
-		if err != nil {
-			return err
-		}
-		if len(res) == 0 {
-			fmt.Fprintln(io.Out, "idem schema is up to date")
-		}
-		if err := upCitus(ctx, io, db, *citus); err != nil {
-			return err
-		}
-		if *withRiver && to == nil {
-			versions, err := inbox.Migrate(ctx, pool, *riverSchema)
-			if err != nil {
-				return err
-			}
-			if len(versions) == 0 {
-				fmt.Fprintln(io.Out, "River schema is up to date")
-			} else {
-				fmt.Fprintf(io.Out, "applied River migrations %v\n", versions)
-			}
-		}
+		return migrateUp(ctx, io, m, db, pool, to, *citus, *withRiver, *riverSchema)
 	case "down":
-		current, err := p.GetDBVersion(ctx)
-		if err != nil {
-			return err
-		}
-		if current == 0 {
-			fmt.Fprintln(io.Out, "nothing to roll back")
-			return nil
-		}
-		target := current - 1
-		if to != nil {
-			target = *to
-		}
-		res, err := m.DownTo(ctx, target, *force)
-		for _, r := range res {
-			fmt.Fprintf(io.Out, "rolled back %s\n", r.Source.Path)
-		}
-		if errors.Is(err, migrate.ErrWouldDropKeys) || errors.Is(err, migrate.ErrWouldLoseState) {
-			return withCode(ExitError, err)
-		}
-		return err
+		return migrateDown(ctx, io, m, to, *force)
 	case "status":
 		st, err := p.Status(ctx)
 		if err != nil {
@@ -151,6 +106,67 @@ func runMigrate(ctx context.Context, io IO, g *globals, args []string) error {
 		fmt.Fprintln(io.Out, v)
 	}
 	return nil
+}
+
+// migrateUp applies idem's migrations up to to (nil: all), then Citus'
+// step where asked or distributed already, then River's (only when going
+// to the latest).
+func migrateUp(ctx context.Context, io IO, m *migrate.Migrator, db *sql.DB, pool *pgxpool.Pool, to *int64, citus, withRiver bool, riverSchema string) error {
+	upTo := int64(math.MaxInt64)
+	if to != nil {
+		upTo = *to
+	}
+	res, err := m.UpTo(ctx, upTo)
+	for _, r := range res {
+		fmt.Fprintf(io.Out, "applied %s (%s)\n", r.Source.Path, r.Duration.Round(time.Millisecond))
+	}
+	if err != nil {
+		return err
+	}
+	if len(res) == 0 {
+		fmt.Fprintln(io.Out, "idem schema is up to date")
+	}
+	if err := upCitus(ctx, io, db, citus); err != nil {
+		return err
+	}
+	if !withRiver || to != nil {
+		return nil
+	}
+	versions, err := inbox.Migrate(ctx, pool, riverSchema)
+	if err != nil {
+		return err
+	}
+	if len(versions) == 0 {
+		fmt.Fprintln(io.Out, "River schema is up to date")
+	} else {
+		fmt.Fprintf(io.Out, "applied River migrations %v\n", versions)
+	}
+	return nil
+}
+
+// migrateDown rolls back to to (nil: the previous version); a down that
+// would drop stored state is refused (exit 1) unless force is set.
+func migrateDown(ctx context.Context, io IO, m *migrate.Migrator, to *int64, force bool) error {
+	current, err := m.Provider().GetDBVersion(ctx)
+	if err != nil {
+		return err
+	}
+	if current == 0 {
+		fmt.Fprintln(io.Out, "nothing to roll back")
+		return nil
+	}
+	target := current - 1
+	if to != nil {
+		target = *to
+	}
+	res, err := m.DownTo(ctx, target, force)
+	for _, r := range res {
+		fmt.Fprintf(io.Out, "rolled back %s\n", r.Source.Path)
+	}
+	if errors.Is(err, migrate.ErrWouldDropKeys) || errors.Is(err, migrate.ErrWouldLoseState) {
+		return withCode(ExitError, err)
+	}
+	return err
 }
 
 // upCitus runs migrate.Citus after an up with --citus, and after every up
