@@ -199,6 +199,10 @@ func guardedFS(lockTimeout time.Duration) (fs.FS, error) {
 			return nil, fmt.Errorf("idem/migrate: %s: %w", e.Name(), err)
 		}
 		text := string(b)
+		if strings.Contains(text, "-- +goose NO TRANSACTION") {
+			return nil, fmt.Errorf("idem/migrate: %s runs outside a transaction (NO TRANSACTION): each of idem's steps must be one, "+
+				"since the migration lock and the lock timeout are the transaction's", e.Name())
+		}
 		for _, dir := range []string{"Up", "Down"} {
 			marker := "-- +goose " + dir + "\n"
 			if strings.Count(text, marker) != 1 {
