@@ -61,8 +61,11 @@ func Latest() int64 {
 // idem's version table, each step guarded as steps.go says (the migration
 // lock of the step's transaction, DefaultLockTimeout). Extra options are
 // appended (for example goose.WithSlog). The schema is created, if missing,
-// when goose creates its version table. New returns a Migrator, which also
-// retries a step that timed out on a lock.
+// when goose creates its version table. Its Up and Down do not retry: a
+// step that timed out on a lock fails, and so does a step that a racing
+// migrator applied first (SQLSTATE sqlstate.MigrationStepDone; run it
+// again). New returns a Migrator, which retries the one and goes on after
+// the other; Up and DownTo use it.
 func NewProvider(db *sql.DB, opts ...goose.ProviderOption) (*goose.Provider, error) {
 	cfg, err := Config{}.withDefaults()
 	if err != nil {
