@@ -64,6 +64,7 @@ var transitions = []transition{
 	{"failed_retryable", "failed", "claim → failed (max_attempts reached)", 0, `(SELECT outcome FROM idem.claim('max1', k))`, "failed"},
 	{"failed_retryable", "absent", "release", 0, `idem.release(s, k)`, "1"},
 	{"completed", "completed", "claim → completed", 0, `(SELECT outcome FROM idem.claim(s, k))`, "completed"},
+	{"completed", "completed", "claim with another fingerprint → mismatch", 0, `(SELECT outcome FROM idem.claim(s, k, fingerprint => 'other'))`, "mismatch"},
 	{"completed", "absent", "release", 0, `idem.release(s, k)`, "1"},
 	{"completed", "absent", "expiry (ttl)", 31 * 24 * time.Hour, `'later'`, "later"},
 	{"failed", "failed", "claim → failed", 0, `(SELECT outcome FROM idem.claim(s, k))`, "failed"},
@@ -93,7 +94,7 @@ func reach(t *testing.T, ctx context.Context, conn *pgx.Conn, s, k, state string
 	if state == "absent" {
 		return 0, 0
 	}
-	if err := conn.QueryRow(ctx, `SELECT token FROM idem.claim($1, $2, lease => '1 minute')`, s, k).Scan(&token); err != nil {
+	if err := conn.QueryRow(ctx, `SELECT token FROM idem.claim($1, $2, fingerprint => 'f', lease => '1 minute')`, s, k).Scan(&token); err != nil {
 		t.Fatalf("reach %s: claim: %v", state, err)
 	}
 	switch state {
