@@ -139,3 +139,34 @@ func TestMigrateUpAsOwnerOnPG15(t *testing.T) {
 		t.Fatalf("migrate up --river-schema river as %s: %+v", owner, r)
 	}
 }
+
+// TestMigrateDownStatesTheLoss: idemctl migrate down across versions that
+// hold state (an inbox hold, the maintenance runs' history) is refused
+// with exit 1, on one line naming each table, and rolls nothing back;
+// --force confirms it.
+func TestMigrateDownStatesTheLoss(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	dsn := testdb.NewEmpty(t)
+	env := map[string]string{"DATABASE_URL": dsn}
+	if r := idemctl(t, ctx, env, "migrate", "up", "--river=false"); r.code != 0 {
+		t.Fatalf("migrate up: %+v", r)
+	}
+	pool := testdb.Pool(t, dsn, 1)
+	if _, err := pool.Exec(ctx, `
+		INSERT INTO idem.holds (source, key, token, held_at) VALUES ('s', 'k', 1, now());
+		INSERT INTO idem.runs (job, started_at, finished_at, outcome, run_by) VALUES ('prune', now(), now(), 'ok', 'me')`); err != nil {
+		t.Fatal(err)
+	}
+	r := idemctl(t, ctx, env, "migrate", "down", "--to", "6")
+	if r.code != ExitError {
+		t.Fatalf("down --to 6 holding state: %+v", r)
+	}
+	oneLine(t, r.errout, "idem.runs: 1 rows (dropped by migration 10's Down); idem.holds: 1 rows (dropped by migration 7's Down); pass force (idemctl migrate down --force)")
+	if r := idemctl(t, ctx, env, "migrate", "version"); r.code != 0 || strings.TrimSpace(r.out) != fmt.Sprint(migrate.Latest()) {
+		t.Fatalf("after the refusal: %+v, want version %d", r, migrate.Latest())
+	}
+	if r := idemctl(t, ctx, env, "migrate", "down", "--to", "6", "--force"); r.code != 0 || !strings.Contains(r.out, "rolled back 00007_idem_inbox_holds.sql") {
+		t.Fatalf("down --to 6 --force: %+v", r)
+	}
+}
