@@ -143,7 +143,7 @@ func (m *Migrator) DownTo(ctx context.Context, version int64, force bool) ([]*go
 // did, and returns every step's result.
 func (m *Migrator) run(ctx context.Context, step func() ([]*goose.MigrationResult, error)) ([]*goose.MigrationResult, error) {
 	var all []*goose.MigrationResult
-	timeouts := 0
+	timeouts, elsewhere := 0, 0
 	for {
 		res, err := step()
 		all = append(all, res...)
@@ -156,6 +156,12 @@ func (m *Migrator) run(ctx context.Context, step func() ([]*goose.MigrationResul
 		}
 		switch sqlstate.Of(err) {
 		case stepDoneElsewhere:
+			// Each time, another migrator made progress; more times than
+			// there are steps would mean the version table and goose
+			// disagree.
+			if elsewhere++; elsewhere > 2*int(Latest())+2 {
+				return all, fmt.Errorf("idem/migrate: a step kept finding its version done by another migrator (%d times): %w", elsewhere, err)
+			}
 			m.cfg.Logger.InfoContext(ctx, "idem/migrate: another migrator did this step; looking again", slog.String("error", err.Error()))
 			continue
 		case sqlstate.LockNotAvailable:
@@ -223,7 +229,7 @@ func prologue(version int64, up bool, lockTimeout time.Duration) string {
 		cond, did = "NOT ", "rolled back"
 	}
 	return fmt.Sprintf(`SELECT pg_catalog.set_config('lock_timeout', '0', true), pg_catalog.pg_advisory_xact_lock(%d);
-DO $idem$ BEGIN IF %sEXISTS (SELECT FROM %s WHERE version_id = %d) THEN RAISE EXCEPTION 'idem migration %d was %s by another migrator' USING ERRCODE = '%s'; END IF; END $idem$;
+DO $idem$ BEGIN IF %sEXISTS (SELECT FROM %s WHERE version_id = %d AND is_applied) THEN RAISE EXCEPTION 'idem migration %d was %s by another migrator' USING ERRCODE = '%s'; END IF; END $idem$;
 SELECT pg_catalog.set_config('lock_timeout', '%dms', true);
 `, LockID, cond, TableName, version, version, did, stepDoneElsewhere, lockTimeout.Milliseconds())
 }
