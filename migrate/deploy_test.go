@@ -292,3 +292,62 @@ func TestDownStatesWhatItDrops(t *testing.T) {
 		t.Fatalf("down to 4 with force: %v", err)
 	}
 }
+
+// TestUpGivesUpWithErrLockTimeout: while an application transaction that
+// claimed a key stays open, the step that needs a lock it holds gives way
+// each time; after Config.Retries retries the migration stops with
+// ErrLockTimeout, saying what to do, the steps before it applied and
+// nothing of that step. Once the transaction ends, migrate up finishes.
+func TestUpGivesUpWithErrLockTimeout(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.NewEmpty(t)
+	pool := testdb.Pool(t, url, 4)
+	db := stdlib.OpenDBFromPool(pool)
+	defer db.Close()
+	p, err := migrate.NewProvider(db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.UpTo(ctx, 4); err != nil {
+		t.Fatal(err)
+	}
+	app, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer app.Rollback(ctx)
+	if _, err := app.Exec(ctx, `SELECT idem.claim('app', 'held')`); err != nil {
+		t.Fatal(err)
+	}
+	m, err := migrate.New(db, migrate.Config{LockTimeout: 20 * time.Millisecond, Retries: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, upErr := m.Up(ctx)
+	if !errors.Is(upErr, migrate.ErrLockTimeout) {
+		t.Fatalf("up next to an open claim transaction: %d steps, %v; want ErrLockTimeout", len(res), upErr)
+	}
+	for _, want := range []string{"3 times", "--lock-timeout", "--lock-retries", "55P03"} {
+		if !strings.Contains(upErr.Error(), want) {
+			t.Errorf("the error does not say %q: %v", want, upErr)
+		}
+	}
+	v, err := p.GetDBVersion(ctx)
+	if err != nil || v != 4+int64(len(res)) {
+		t.Fatalf("after giving up: version %d (%v), %d steps reported applied", v, err, len(res))
+	}
+	t.Logf("gave up at version %d: %v", v, upErr)
+	if err := app.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := m.Up(ctx); err != nil {
+		t.Fatalf("up once the transaction ended: %v", err)
+	}
+	if _, err := migrate.New(db, migrate.Config{LockTimeout: time.Microsecond}); err == nil {
+		t.Error("a lock timeout under 1ms was accepted")
+	}
+	if _, err := migrate.New(db, migrate.Config{Retries: -2}); err == nil {
+		t.Error("Retries -2 was accepted")
+	}
+}

@@ -167,7 +167,7 @@ func (m *Migrator) run(ctx context.Context, step func() ([]*goose.MigrationResul
 		case sqlstate.LockNotAvailable:
 			if timeouts >= m.cfg.Retries {
 				return all, fmt.Errorf("%w (%d times, lock timeout %v): %w; an application transaction holds a lock the step needs: "+
-					"migrate again when it has ended, or with a longer --lock-timeout or more --lock-retries", ErrLockTimeout, timeouts+1, m.cfg.LockTimeout, err)
+					"migrate again when it has ended, or with a longer lock timeout or more retries (idemctl migrate up --lock-timeout, --lock-retries; migrate.Config)", ErrLockTimeout, timeouts+1, m.cfg.LockTimeout, err)
 			}
 			timeouts++
 			pause := min(100*time.Millisecond<<min(timeouts-1, 6), 5*time.Second)
