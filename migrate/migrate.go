@@ -32,8 +32,9 @@ const (
 	// LockID is the advisory lock id that serializes concurrent migrations
 	// of idem: each step takes it for its transaction (steps.go). goose's
 	// default id is 4097083626; idem's differs so that an application's own
-	// goose run does not wait on idem's or the reverse. idem's advisory lock ids are the four bytes "idem" read as a
-	// big-endian integer, 0x6964656D = 1768187245, plus a small offset:
+	// goose run does not wait on idem's or the reverse. idem's advisory
+	// lock ids are the four bytes "idem" read as a big-endian integer,
+	// 0x6964656D = 1768187245, plus a small offset:
 	// +0 a key's lock in idem.claim (two-key form, with the key's hash),
 	// +1 this migration lock, +2 the gate of the maintenance locks (two-key
 	// form, with the lock name's hash).
