@@ -108,13 +108,15 @@ func TestNewMigrationStartsFromTodaysDefinitions(t *testing.T) {
 		if err != nil {
 			t.Fatalf("goose %v: %v", map[bool]string{true: "up", false: "down"}[up], err)
 		}
-		files, err := schemadump.Dump(ctx, conn)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return files
+		return dump(t, ctx, conn)
 	}
 
+	if _, err := migrate.Up(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	if err := schemadump.Check(schemaDir, dump(t, ctx, conn)); err != nil {
+		t.Fatalf("the migration was started from sql/schema, which is stale: %v", err)
+	}
 	if d := schemadump.Diff(committed, apply(text, true)); len(d) > 0 {
 		t.Fatalf("the unedited migration changed the schema:\n%s", strings.Join(d, "\n"))
 	}
@@ -147,4 +149,13 @@ func TestNewMigrationRefusesBadInput(t *testing.T) {
 	if len(entries) != 0 {
 		t.Errorf("a refused migration left files: %v", entries)
 	}
+}
+
+func dump(t *testing.T, ctx context.Context, conn *pgx.Conn) map[string]string {
+	t.Helper()
+	files, err := schemadump.Dump(ctx, conn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return files
 }
