@@ -4,7 +4,7 @@
 
 SQLC := GOWORK=off go tool -modfile=tools/go.mod sqlc
 
-.PHONY: test vet generate sqlc-check fuzz soak bench build ci
+.PHONY: test vet generate sqlc-check schema schema-check migration fuzz soak bench build ci
 
 test:
 	go test work
@@ -26,6 +26,24 @@ generate:
 sqlc-check:
 	$(SQLC) diff
 	$(SQLC) diff -f examples/sqlc-app/sqlc.yaml
+
+# Regenerate sql/schema/ (schema idem as the migrations leave it, one file
+# per object) from a throwaway PostgreSQL migrated to the latest version.
+# Run it after adding a migration, and commit the result.
+schema:
+	go run ./internal/schemagen
+
+# Fails when the committed sql/schema/ differs from what the migrations
+# produce (the message lists the files and says to run `make schema`).
+schema-check:
+	go run ./internal/schemagen -check
+
+# Start the next migration from today's definitions of the objects named:
+# make migration NAME=claim_wait OBJECTS="idem.claim idem.complete"
+# (docs/contributing.md: the rest of the steps).
+migration:
+	@test -n "$(NAME)" -a -n "$(OBJECTS)" || { echo 'usage: make migration NAME=short_name OBJECTS="idem.claim ..."'; exit 2; }
+	go run ./internal/newmigration $(NAME) $(OBJECTS)
 
 # Each fuzz target briefly; FUZZTIME=5m for a longer run.
 FUZZTIME ?= 10s

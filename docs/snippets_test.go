@@ -124,8 +124,7 @@ func readmeEffects(ctx context.Context, c *idem.Client) {
 // README.md, migrations from Go.
 func readmeMigrate(ctx context.Context) error {
 	db, _ := sql.Open("pgx", os.Getenv("DATABASE_URL"))
-	p, _ := migrate.NewProvider(db) // github.com/idemkit/idem/migrate; files in migrate.FS()
-	_, err := p.Up(ctx)
+	_, err := migrate.Up(ctx, db) // github.com/idemkit/idem/migrate; files in migrate.FS()
 	return err
 }
 

@@ -10,7 +10,7 @@ import (
 
 // Citus makes the idem of this database a distributed one: run on a Citus
 // coordinator (with its workers added) after Up. It calls
-// idem.citus_setup() (migration 11), which distributes processed_events
+// idem.citus_setup() (sql/schema/functions/citus_setup.sql), which distributes processed_events
 // and holds by key, makes the small shared tables reference tables and
 // delegates every per-key function to the node that holds its key, and
 // returns what it did (nothing when it had already been done). Re-run it

@@ -1,6 +1,7 @@
 // Package migrate applies idem's embedded migrations with goose's Provider
 // API. idem keeps its own goose history in idem.goose_db_version and takes
-// its own advisory lock, so an application's goose_db_version, its lock and
+// its own advisory lock (in each step's transaction, so it holds through a
+// transaction pooler), so an application's goose_db_version, its lock and
 // its tables are never touched.
 //
 //	p, err := migrate.NewProvider(db) // db is a *sql.DB (pgx stdlib driver)
@@ -19,7 +20,6 @@ import (
 
 	"github.com/pressly/goose/v3"
 	"github.com/pressly/goose/v3/database"
-	"github.com/pressly/goose/v3/lock"
 
 	"github.com/idemkit/idem/sql/migrations"
 )
@@ -29,11 +29,12 @@ const (
 	Schema = "idem"
 	// TableName is idem's goose version table.
 	TableName = Schema + ".goose_db_version"
-	// LockID is the session advisory lock id that serializes concurrent
-	// migrations of idem (goose's default id is 4097083626; idem's differs so
-	// that an application's own goose run does not wait on idem's or the
-	// reverse). idem's advisory lock ids are the four bytes "idem" read as a
-	// big-endian integer, 0x6964656D = 1768187245, plus a small offset:
+	// LockID is the advisory lock id that serializes concurrent migrations
+	// of idem: each step takes it for its transaction (steps.go). goose's
+	// default id is 4097083626; idem's differs so that an application's own
+	// goose run does not wait on idem's or the reverse. idem's advisory
+	// lock ids are the four bytes "idem" read as a big-endian integer,
+	// 0x6964656D = 1768187245, plus a small offset:
 	// +0 a key's lock in idem.claim (two-key form, with the key's hash),
 	// +1 this migration lock, +2 the gate of the maintenance locks (two-key
 	// form, with the lock name's hash).
@@ -58,10 +59,23 @@ func Latest() int64 {
 }
 
 // NewProvider returns a goose Provider over idem's embedded migrations with
-// idem's version table and advisory session lock. Extra options are appended
-// (for example goose.WithSlog). The schema is created, if missing, when goose
-// creates its version table.
+// idem's version table, each step guarded as steps.go says (the migration
+// lock of the step's transaction, DefaultLockTimeout). Extra options are
+// appended (for example goose.WithSlog). The schema is created, if missing,
+// when goose creates its version table. Its Up and Down do not retry: a
+// step that timed out on a lock fails, and so does a step that a racing
+// migrator applied first (SQLSTATE sqlstate.MigrationStepDone; run it
+// again). New returns a Migrator, which retries the one and goes on after
+// the other; Up and DownTo use it.
 func NewProvider(db *sql.DB, opts ...goose.ProviderOption) (*goose.Provider, error) {
+	cfg, err := Config{}.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	return newProvider(db, cfg, opts...)
+}
+
+func newProvider(db *sql.DB, cfg Config, opts ...goose.ProviderOption) (*goose.Provider, error) {
 	if db == nil {
 		return nil, errors.New("idem/migrate: db must not be nil")
 	}
@@ -69,21 +83,15 @@ func NewProvider(db *sql.DB, opts ...goose.ProviderOption) (*goose.Provider, err
 	if err != nil {
 		return nil, fmt.Errorf("idem/migrate: %w", err)
 	}
-	locker, err := lock.NewPostgresSessionLocker(
-		lock.WithLockID(LockID),
-		// Poll every second for up to 10 minutes: another instance may be
-		// migrating; waiting is right, failing fast is not.
-		lock.WithLockTimeout(1, 600),
-	)
+	fsys, err := guardedFS(cfg.LockTimeout)
 	if err != nil {
-		return nil, fmt.Errorf("idem/migrate: %w", err)
+		return nil, err
 	}
 	all := append([]goose.ProviderOption{
 		goose.WithStore(schemaStore{base}),
-		goose.WithSessionLocker(locker),
 		goose.WithDisableGlobalRegistry(true),
 	}, opts...)
-	p, err := goose.NewProvider(goose.DialectCustom, db, migrations.FS, all...)
+	p, err := goose.NewProvider(goose.DialectCustom, db, fsys, all...)
 	if err != nil {
 		return nil, fmt.Errorf("idem/migrate: %w", err)
 	}
@@ -99,54 +107,30 @@ func StoredKeys(ctx context.Context, db *sql.DB) (int64, error) {
 	return n, err
 }
 
-// DownTo migrates down to version. Going below version 1 drops the stored
-// keys: it is refused with ErrWouldDropKeys (saying how many) when there
-// are any, unless force is set.
+// DownTo migrates down to version. A down that would drop stored state
+// (keys, inbox holds, an adoption, policies' settings, run history) is
+// refused with ErrWouldDropKeys or ErrWouldLoseState, saying what would be
+// lost, unless force is set (GuardDown).
 func DownTo(ctx context.Context, db *sql.DB, version int64, force bool) ([]*goose.MigrationResult, error) {
-	p, err := NewProvider(db, goose.WithSlog(discardLogger))
+	m, err := New(db, Config{})
 	if err != nil {
 		return nil, err
 	}
-	if err := GuardDown(ctx, db, p, version, force); err != nil {
-		return nil, err
-	}
-	return p.DownTo(ctx, version)
+	return m.DownTo(ctx, version, force)
 }
 
-// GuardDown returns ErrWouldDropKeys when migrating p down to version
-// would drop stored keys and force is not set.
-func GuardDown(ctx context.Context, db *sql.DB, p *goose.Provider, version int64, force bool) error {
-	if version >= 1 || force {
-		return nil
-	}
-	current, err := p.GetDBVersion(ctx)
-	if err != nil || current < 1 {
-		return err
-	}
-	n, err := StoredKeys(ctx, db)
-	if err != nil {
-		return fmt.Errorf("idem/migrate: count the stored keys: %w", err)
-	}
-	if n > 0 {
-		return fmt.Errorf("%w: %d keys are stored; pass force (idemctl migrate down --force) to drop them", ErrWouldDropKeys, n)
-	}
-	return nil
-}
-
-// Up applies every pending migration. Re-running it is a no-op. On a
+// Up applies every pending migration, each step with Config's default lock
+// bounds (New for others). Re-running it is a no-op. On a
 // distributed installation (Citus ran before) it then runs Citus again,
 // which does nothing when nothing needs doing: a migration that replaces a
 // per-key function resets what Citus needs of it (migration 13 and later
 // do that in their own transaction; this covers any that does not).
 func Up(ctx context.Context, db *sql.DB) ([]*goose.MigrationResult, error) {
-	p, err := NewProvider(db, goose.WithSlog(discardLogger))
+	m, err := New(db, Config{})
 	if err != nil {
 		return nil, err
 	}
-	if err := CheckSchema(ctx, db); err != nil {
-		return nil, err
-	}
-	res, err := p.Up(ctx)
+	res, err := m.Up(ctx)
 	if err != nil {
 		return res, err
 	}
@@ -195,10 +179,6 @@ func (s schemaStore) CreateVersionTable(ctx context.Context, db database.DBTxCon
 	case rels+routines > 0:
 		return fmt.Errorf("%w (%d relations, %d routines, no idem.goose_db_version): idem installs into a schema of its own; "+
 			"rename yours (ALTER SCHEMA idem RENAME TO ...) or drop it, then migrate again", ErrSchemaInUse, rels, routines)
-	}
-	// An empty schema idem made by someone else keeps its owner and grants.
-	if err := CheckSchema(ctx, db); err != nil {
-		return err
 	}
 	if _, err := db.ExecContext(ctx, "CREATE SCHEMA IF NOT EXISTS "+Schema); err != nil {
 		return fmt.Errorf("create schema %s: %w", Schema, err)

@@ -100,3 +100,11 @@ func Class(err error) string {
 	}
 	return ""
 }
+
+// idem's migrator's own condition.
+const (
+	// MigrationStepDone: a migration step found, once it held the
+	// migration lock, that another migrator had applied (or rolled back)
+	// its version; the migrator looks again (package migrate).
+	MigrationStepDone = "IDM01"
+)

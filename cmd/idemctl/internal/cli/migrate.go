@@ -6,7 +6,10 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
+	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/pressly/goose/v3"
 
 	"github.com/idemkit/idem/inbox"
@@ -21,7 +24,8 @@ func runMigrate(ctx context.Context, io IO, g *globals, args []string) error {
 	fs := newFlagSet("migrate", io, g)
 	var to *int64
 	optInt64(fs.FlagSet, &to, "to", "up: the latest; down: the previous version", "up: apply migrations up to this version; down: roll back to this version (0 removes everything but the schema)")
-	force := fs.Bool("force", false, "down: drop the stored keys too (a down to version 0 refuses while keys are stored)")
+	force := fs.Bool("force", false, "down: drop the stored state the down would drop (keys, inbox holds, an adoption, policies' settings, run history); without it such a down is refused, saying what it would drop")
+	retries := fs.Int("lock-retries", migrate.DefaultRetries, "up, down: how many times a step that timed out waiting for a table lock (--lock-timeout) is retried before giving up (0: none)")
 	withRiver := fs.Bool("river", true, "up: also apply River's migrations (the inbox's queue; only the versions missing, safe next to an application's own River)")
 	riverSchema := fs.String("river-schema", "", "up: the schema of River's tables (default: the search_path, as River's own client)")
 	citus := fs.Bool("citus", false, "up: distribute idem on this Citus coordinator (docs/citus.md); once distributed, every up does it again")
@@ -49,6 +53,12 @@ func runMigrate(ctx context.Context, io IO, g *globals, args []string) error {
 	if *citus && sub != "up" {
 		return usageErr("--citus is for migrate up, not %s", sub)
 	}
+	if *retries < 0 {
+		return usageErr("--lock-retries %d: give 0 or more", *retries)
+	}
+	if g.lockTimeout < time.Millisecond {
+		return usageErr("--lock-timeout %v: give at least 1ms", g.lockTimeout)
+	}
 	if to != nil && sub != "up" && sub != "down" {
 		return usageErr("--to is for migrate up and down, not %s", sub)
 	}
@@ -63,72 +73,19 @@ func runMigrate(ctx context.Context, io IO, g *globals, args []string) error {
 	defer pool.Close()
 	db := sqlDB(pool)
 	defer db.Close()
-	p, err := migrate.NewProvider(db, goose.WithSlog(log.With(slog.String("component", "goose"))))
+	if *retries == 0 {
+		*retries = -1 // migrate.Config: -1 is none
+	}
+	m, err := migrate.New(db, migrate.Config{LockTimeout: g.lockTimeout, Retries: *retries, Logger: log.With(slog.String("component", "goose"))})
 	if err != nil {
 		return err
 	}
+	p := m.Provider()
 	switch sub {
 	case "up":
-		if err := migrate.CheckSchema(ctx, db); err != nil {
-			return err
-		}
-		var res []*goose.MigrationResult
-		if to != nil {
-			res, err = p.UpTo(ctx, *to)
-		} else {
-			res, err = p.Up(ctx)
-		}
-		for _, r := range res {
-			fmt.Fprintf(io.Out, "applied %s (%s)\n", r.Source.Path, r.Duration.Round(1e6))
-		}
-		if err != nil {
-			return err
-		}
-		if len(res) == 0 {
-			fmt.Fprintln(io.Out, "idem schema is up to date")
-		}
-		if err := upCitus(ctx, io, db, *citus); err != nil {
-			return err
-		}
-		if *withRiver && to == nil {
-			versions, err := inbox.Migrate(ctx, pool, *riverSchema)
-			if err != nil {
-				return err
-			}
-			if len(versions) == 0 {
-				fmt.Fprintln(io.Out, "River schema is up to date")
-			} else {
-				fmt.Fprintf(io.Out, "applied River migrations %v\n", versions)
-			}
-		}
+		return migrateUp(ctx, io, m, db, pool, to, *citus, *withRiver, *riverSchema)
 	case "down":
-		var target int64
-		if to != nil {
-			target = *to
-		} else if current, err := p.GetDBVersion(ctx); err == nil {
-			target = current - 1
-		}
-		if err := migrate.GuardDown(ctx, db, p, target, *force); err != nil {
-			return withCode(ExitError, err)
-		}
-		var res []*goose.MigrationResult
-		if to != nil {
-			res, err = p.DownTo(ctx, *to)
-		} else {
-			var r *goose.MigrationResult
-			r, err = p.Down(ctx)
-			if r != nil {
-				res = append(res, r)
-			}
-		}
-		for _, r := range res {
-			fmt.Fprintf(io.Out, "rolled back %s\n", r.Source.Path)
-		}
-		if errors.Is(err, goose.ErrNoNextVersion) {
-			fmt.Fprintln(io.Out, "nothing to roll back")
-			return nil
-		}
-		return err
+		return migrateDown(ctx, io, m, to, *force)
 	case "status":
 		st, err := p.Status(ctx)
 		if err != nil {
@@ -149,6 +106,67 @@ func runMigrate(ctx context.Context, io IO, g *globals, args []string) error {
 		fmt.Fprintln(io.Out, v)
 	}
 	return nil
+}
+
+// migrateUp applies idem's migrations up to to (nil: all), then Citus'
+// step where asked or distributed already, then River's (only when going
+// to the latest).
+func migrateUp(ctx context.Context, io IO, m *migrate.Migrator, db *sql.DB, pool *pgxpool.Pool, to *int64, citus, withRiver bool, riverSchema string) error {
+	upTo := int64(math.MaxInt64)
+	if to != nil {
+		upTo = *to
+	}
+	res, err := m.UpTo(ctx, upTo)
+	for _, r := range res {
+		fmt.Fprintf(io.Out, "applied %s (%s)\n", r.Source.Path, r.Duration.Round(time.Millisecond))
+	}
+	if err != nil {
+		return err
+	}
+	if len(res) == 0 {
+		fmt.Fprintln(io.Out, "idem schema is up to date")
+	}
+	if err := upCitus(ctx, io, db, citus); err != nil {
+		return err
+	}
+	if !withRiver || to != nil {
+		return nil
+	}
+	versions, err := inbox.Migrate(ctx, pool, riverSchema)
+	if err != nil {
+		return err
+	}
+	if len(versions) == 0 {
+		fmt.Fprintln(io.Out, "River schema is up to date")
+	} else {
+		fmt.Fprintf(io.Out, "applied River migrations %v\n", versions)
+	}
+	return nil
+}
+
+// migrateDown rolls back to to (nil: the previous version); a down that
+// would drop stored state is refused (exit 1) unless force is set.
+func migrateDown(ctx context.Context, io IO, m *migrate.Migrator, to *int64, force bool) error {
+	current, err := m.Provider().GetDBVersion(ctx)
+	if err != nil {
+		return err
+	}
+	if current == 0 {
+		fmt.Fprintln(io.Out, "nothing to roll back")
+		return nil
+	}
+	target := current - 1
+	if to != nil {
+		target = *to
+	}
+	res, err := m.DownTo(ctx, target, force)
+	for _, r := range res {
+		fmt.Fprintf(io.Out, "rolled back %s\n", r.Source.Path)
+	}
+	if errors.Is(err, migrate.ErrWouldDropKeys) || errors.Is(err, migrate.ErrWouldLoseState) {
+		return withCode(ExitError, err)
+	}
+	return err
 }
 
 // upCitus runs migrate.Citus after an up with --citus, and after every up

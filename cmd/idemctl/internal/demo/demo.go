@@ -184,8 +184,72 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config, log *slog.Logger) 
 			return nil, fmt.Errorf("count every duplicate: %w", err)
 		}
 	}
-	run := fmt.Sprintf("%08x", rand.Uint32())
-	events := make([]event, cfg.Events)
+	s := &storm{cfg: cfg, pool: pool, log: log, run: fmt.Sprintf("%08x", rand.Uint32())}
+	s.events, s.want = newEvents(s.run, cfg.Events)
+	s.mail = &stubMailer{failFirst: func(subject string) bool { return pick(subject, 0.05) }}
+	s.rc = &receiver{pool: pool, idem: idem.New(pool, nil), mail: s.mail,
+		slow: func(id string) time.Duration {
+			if pick(id+"slow", cfg.SlowRate) {
+				return cfg.SlowFor
+			}
+			return 0
+		},
+		failOnce: func(id string) bool { return pick(id, cfg.FlakyRate) },
+	}
+	s.answers = &answerCounts{n: map[idemhttp.Answer]int64{}}
+	h, err := s.rc.handler(demoSecret, s.answers, log)
+	if err != nil {
+		return nil, err
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	mux := http.NewServeMux()
+	mux.Handle("POST /webhooks/stripe", h)
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go func() { _ = srv.Serve(ln) }()
+	defer srv.Close()
+	s.url = "http://" + ln.Addr().String() + "/webhooks/stripe"
+
+	s.rep = &Report{Events: cfg.Events, Deliveries: cfg.Events * cfg.Deliveries, Statuses: map[int]int64{}, CountedDuplicates: -1}
+	if cfg.CrossMonth != nil && len(s.events) > 0 {
+		if err := s.deliverLastMonth(ctx); err != nil {
+			return nil, err
+		}
+	}
+	s.client = &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{MaxIdleConnsPerHost: cfg.Workers}}
+	forgeries, err := s.attack(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if err := s.deliverAll(ctx); err != nil {
+		return s.rep, err
+	}
+	return s.rep, s.check(ctx, forgeries)
+}
+
+// storm is one run of the demo: the events, the receiver and what the
+// sender saw.
+type storm struct {
+	cfg     Config
+	pool    *pgxpool.Pool
+	log     *slog.Logger
+	run     string         // this run's prefix of every id
+	events  []event        // the genuine events
+	want    map[string]int // each customer's balance once every event is booked
+	mail    *stubMailer
+	rc      *receiver
+	answers *answerCounts
+	url     string
+	client  *http.Client
+	rep     *Report
+}
+
+// newEvents makes n invoice.paid events of run and each customer's
+// expected balance.
+func newEvents(run string, n int) ([]event, map[string]int) {
+	events := make([]event, n)
 	want := map[string]int{}
 	for i := range events {
 		e := event{
@@ -204,111 +268,92 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config, log *slog.Logger) 
 		events[i] = e
 		want[e.customer] += e.amount
 	}
+	return events, want
+}
 
-	mail := &stubMailer{failFirst: func(subject string) bool { return pick(subject, 0.05) }}
-	rc := &receiver{pool: pool, idem: idem.New(pool, nil), mail: mail,
-		slow: func(id string) time.Duration {
-			if pick(id+"slow", cfg.SlowRate) {
-				return cfg.SlowFor
-			}
-			return 0
-		},
-		failOnce: func(id string) bool { return pick(id, cfg.FlakyRate) },
-	}
-	answers := &answerCounts{n: map[idemhttp.Answer]int64{}}
-	h, err := rc.handler(demoSecret, answers, log)
+// deliverLastMonth delivers the first event (and processes it) just
+// before midnight at the end of last month: its key lives in last month's
+// partition.
+func (s *storm) deliverLastMonth(ctx context.Context) error {
+	e := s.events[0]
+	now := time.Now().UTC()
+	boundary := time.Date(now.Year(), now.Month(), 1, 0, 0, 0, 0, time.UTC)
+	old, err := s.cfg.CrossMonth(ctx, boundary.Add(-time.Second))
 	if err != nil {
-		return nil, err
+		return fmt.Errorf("cross-month setup: %w", err)
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	defer old.Close()
+	earlier := &receiver{pool: old, idem: idem.New(old, nil), mail: s.mail, slow: s.rc.slow, failOnce: s.rc.failOnce}
+	eh, err := earlier.handler(demoSecret, s.answers, s.log)
 	if err != nil {
-		return nil, err
+		return err
 	}
-	mux := http.NewServeMux()
-	mux.Handle("POST /webhooks/stripe", h)
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-	go func() { _ = srv.Serve(ln) }()
-	defer srv.Close()
-	url := "http://" + ln.Addr().String() + "/webhooks/stripe"
-
-	rep := &Report{Events: cfg.Events, Deliveries: cfg.Events * cfg.Deliveries, Statuses: map[int]int64{}, CountedDuplicates: -1}
-	// One event was first delivered (and processed) just before midnight
-	// at the end of last month: its key lives in last month's partition.
-	if cfg.CrossMonth != nil && len(events) > 0 {
-		e := events[0]
-		now := time.Now().UTC()
-		boundary := time.Date(now.Year(), now.Month(), 1, 0, 0, 0, 0, time.UTC)
-		old, err := cfg.CrossMonth(ctx, boundary.Add(-time.Second))
-		if err != nil {
-			return nil, fmt.Errorf("cross-month setup: %w", err)
+	for attempt := 1; ; attempt++ { // the sender retries until a 2xx
+		rec := &statusRecorder{header: http.Header{}}
+		req := signed(ctx, s.url, e.body, demoSecret, time.Now())
+		eh.ServeHTTP(rec, req)
+		if attempt == 1 {
+			s.rep.Deliveries++
+		} else {
+			s.rep.SenderRetries++
 		}
-		earlier := &receiver{pool: old, idem: idem.New(old, nil), mail: mail, slow: rc.slow, failOnce: rc.failOnce}
-		eh, err := earlier.handler(demoSecret, answers, log)
-		if err != nil {
-			return nil, err
+		s.rep.Statuses[max(rec.code, http.StatusOK)]++
+		if rec.code == 0 || rec.code == http.StatusOK {
+			return nil
 		}
-		for attempt := 1; ; attempt++ { // the sender retries until a 2xx
-			rec := &statusRecorder{header: http.Header{}}
-			req := signed(ctx, url, e.body, demoSecret, time.Now())
-			eh.ServeHTTP(rec, req)
-			if attempt == 1 {
-				rep.Deliveries++
-			} else {
-				rep.SenderRetries++
-			}
-			rep.Statuses[max(rec.code, http.StatusOK)]++
-			if rec.code == 0 || rec.code == http.StatusOK {
-				break
-			}
-			if attempt == 8 {
-				old.Close()
-				return nil, fmt.Errorf("cross-month first delivery still answered %d after %d attempts", rec.code, attempt)
-			}
+		if attempt == 8 {
+			return fmt.Errorf("cross-month first delivery still answered %d after %d attempts", rec.code, attempt)
 		}
-		old.Close()
 	}
+}
 
-	client := &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{MaxIdleConnsPerHost: cfg.Workers}}
-	// An attacker's deliveries, before the storm: for the first events, a
-	// forgery of the genuine event id with a changed amount (signed with a
-	// wrong secret), a stale replay of the genuine delivery (signed an hour
-	// ago) and an unsigned one; and forged events that never existed. None
-	// may be claimed, book a payment or block the genuine delivery.
+// attack sends an attacker's deliveries, before the storm: for the first
+// events, a forgery of the genuine event id with a changed amount (signed
+// with a wrong secret), a stale replay of the genuine delivery (signed an
+// hour ago) and an unsigned one; and forged events that never existed.
+// None may be claimed, book a payment or block the genuine delivery. It
+// returns how many genuine events had their ids forged.
+func (s *storm) attack(ctx context.Context) (int, error) {
 	forgeries := 0
-	for i := range min(20, len(events)) {
-		e := events[i]
+	for i := range min(20, len(s.events)) {
+		e := s.events[i]
 		fake := bytes.Replace(e.body, []byte(fmt.Sprintf(`"amount_paid":%d`, e.amount)), []byte(`"amount_paid":999999`), 1)
-		invented := bytes.ReplaceAll(e.body, []byte(run), []byte("forged"+run[:2]))
+		invented := bytes.ReplaceAll(e.body, []byte(s.run), []byte("forged"+s.run[:2]))
 		for _, req := range []*http.Request{
-			signed(ctx, url, fake, "whsec_not_the_endpoints_secret", time.Now()),
-			signed(ctx, url, e.body, demoSecret, time.Now().Add(-time.Hour)),
-			signed(ctx, url, invented, "whsec_not_the_endpoints_secret", time.Now()),
-			unsigned(ctx, url, e.body),
+			signed(ctx, s.url, fake, "whsec_not_the_endpoints_secret", time.Now()),
+			signed(ctx, s.url, e.body, demoSecret, time.Now().Add(-time.Hour)),
+			signed(ctx, s.url, invented, "whsec_not_the_endpoints_secret", time.Now()),
+			unsigned(ctx, s.url, e.body),
 		} {
-			rep.Forged++
-			resp, err := client.Do(req)
+			s.rep.Forged++
+			resp, err := s.client.Do(req)
 			if err != nil {
-				return nil, err
+				return forgeries, err
 			}
 			resp.Body.Close()
 			if resp.StatusCode == http.StatusBadRequest || resp.StatusCode == http.StatusUnauthorized {
-				rep.ForgedRefused++
+				s.rep.ForgedRefused++
 			}
 		}
 		forgeries++
 	}
+	return forgeries, nil
+}
 
+// deliverAll delivers every event cfg.Deliveries times, shuffled, from
+// cfg.Workers senders that retry until a 2xx.
+func (s *storm) deliverAll(ctx context.Context) error {
 	var mu sync.Mutex
 	deliver := func(e event) error {
 		for attempt := 0; ; attempt++ {
-			resp, err := client.Do(signed(ctx, url, e.body, demoSecret, time.Now()))
+			resp, err := s.client.Do(signed(ctx, s.url, e.body, demoSecret, time.Now()))
 			if err != nil {
 				return err
 			}
 			_, _ = io.Copy(io.Discard, resp.Body)
 			resp.Body.Close()
 			mu.Lock()
-			rep.Statuses[resp.StatusCode]++
+			s.rep.Statuses[resp.StatusCode]++
 			mu.Unlock()
 			if resp.StatusCode/100 == 2 {
 				return nil
@@ -316,15 +361,15 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config, log *slog.Logger) 
 			if attempt >= 8 {
 				return fmt.Errorf("event %s: still %d after %d attempts", e.id, resp.StatusCode, attempt+1)
 			}
-			atomic.AddInt64(&rep.SenderRetries, 1)
+			atomic.AddInt64(&s.rep.SenderRetries, 1)
 			time.Sleep(time.Duration(20*(attempt+1)) * time.Millisecond) // the sender's backoff
 		}
 	}
 
 	start := time.Now()
-	queue := make([]event, 0, cfg.Events*cfg.Deliveries)
-	for _, e := range events {
-		for range cfg.Deliveries {
+	queue := make([]event, 0, s.cfg.Events*s.cfg.Deliveries)
+	for _, e := range s.events {
+		for range s.cfg.Deliveries {
 			queue = append(queue, e)
 		}
 	}
@@ -333,7 +378,7 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config, log *slog.Logger) 
 	var firstErr error
 	var errOnce sync.Once
 	var wg sync.WaitGroup
-	for range cfg.Workers {
+	for range s.cfg.Workers {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -349,45 +394,48 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config, log *slog.Logger) 
 	}
 	close(ch)
 	wg.Wait()
-	rep.Elapsed = time.Since(start)
-	rep.Answers = answers.snapshot()
-	if firstErr != nil {
-		return rep, firstErr
-	}
+	s.rep.Elapsed = time.Since(start)
+	s.rep.Answers = s.answers.snapshot()
+	return firstErr
+}
 
-	for _, n := range mail.sent {
+// check counts what the storm left behind (payments, emails, balances,
+// keys) and fills the report's checks.
+func (s *storm) check(ctx context.Context, forgeries int) error {
+	rep, cfg, pool, run := s.rep, s.cfg, s.pool, s.run
+	for _, n := range s.mail.sent {
 		rep.EmailsSent++
 		rep.DuplicateEmails += n - 1
 	}
 	got := map[string]int{}
 	rows, err := pool.Query(ctx, `SELECT customer, sum(amount_cents)::int, count(*)::int FROM payments WHERE event_id LIKE $1 GROUP BY customer`, "evt_"+run+"%")
 	if err != nil {
-		return rep, err
+		return err
 	}
 	for rows.Next() {
 		var c string
 		var sum, n int
 		if err := rows.Scan(&c, &sum, &n); err != nil {
-			return rep, err
+			return err
 		}
 		got[c] = sum
 		rep.Payments += n
 	}
 	if err := rows.Err(); err != nil {
-		return rep, err
+		return err
 	}
-	rep.BalancesOK = len(got) == len(want)
-	for c, w := range want {
+	rep.BalancesOK = len(got) == len(s.want)
+	for c, w := range s.want {
 		rep.BalancesOK = rep.BalancesOK && got[c] == w
 	}
 	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem.processed_events WHERE key LIKE $1 AND status <> 'completed'`,
 		"%"+run+"%").Scan(&rep.StillProcessing); err != nil {
-		return rep, err
+		return err
 	}
 	var forgedPayments int
 	if err := pool.QueryRow(ctx, `SELECT count(*) FROM payments WHERE amount_cents = 999999 OR event_id LIKE $1`,
 		"evt_forged"+run[:2]+"%").Scan(&forgedPayments); err != nil {
-		return rep, err
+		return err
 	}
 	rep.Checks = []Check{
 		{"forged, stale and unsigned deliveries refused before any claim", rep.ForgedRefused == rep.Forged && forgedPayments == 0,
@@ -395,7 +443,7 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config, log *slog.Logger) 
 		{"one payment per invoice", rep.Payments == cfg.Events, fmt.Sprintf("%d payments for %d events", rep.Payments, cfg.Events)},
 		{"one email per event, none twice", rep.EmailsSent == cfg.Events && rep.DuplicateEmails == 0,
 			fmt.Sprintf("%d sent, %d duplicates", rep.EmailsSent, rep.DuplicateEmails)},
-		{"customer balances are exact", rep.BalancesOK, fmt.Sprintf("%d customers", len(want))},
+		{"customer balances are exact", rep.BalancesOK, fmt.Sprintf("%d customers", len(s.want))},
 		{"no key left in processing", rep.StillProcessing == 0, fmt.Sprintf("%d left", rep.StillProcessing)},
 		{"every request accounted for: the handler ran or a duplicate was absorbed",
 			rep.Answers[idemhttp.AnswerRan]+rep.absorbed() == rep.requests(),
@@ -404,7 +452,7 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config, log *slog.Logger) 
 	}
 	if cfg.ExactCounts {
 		if err := pool.QueryRow(ctx, `SELECT coalesce(sum(duplicates), 0) FROM idem.duplicate_counts WHERE source = 'stripe'`).Scan(&rep.CountedDuplicates); err != nil {
-			return rep, err
+			return err
 		}
 		rep.Checks = append(rep.Checks, Check{"idem counted every duplicate the sender saw absorbed",
 			rep.CountedDuplicates == rep.absorbed(), fmt.Sprintf("%d counted, %d absorbed", rep.CountedDuplicates, rep.absorbed())})
@@ -412,13 +460,13 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config, log *slog.Logger) 
 	if cfg.CrossMonth != nil {
 		var month time.Time
 		var attempts int
-		err := pool.QueryRow(ctx, `SELECT first_seen_month, attempts FROM idem.processed_events WHERE source = 'stripe' AND key = $1 AND expires_at > now()`, events[0].id).Scan(&month, &attempts)
+		err := pool.QueryRow(ctx, `SELECT first_seen_month, attempts FROM idem.processed_events WHERE source = 'stripe' AND key = $1 AND expires_at > now()`, s.events[0].id).Scan(&month, &attempts)
 		ok := err == nil && month.Month() != time.Now().UTC().Month()
 		rep.CrossMonth = fmt.Sprintf("key in the %s partition (%d attempt(s), all last month), %d redeliveries this month replayed",
 			month.Format("2006-01"), attempts, cfg.Deliveries)
 		rep.Checks = append(rep.Checks, Check{"a key first seen last month is recognized this month", ok, rep.CrossMonth})
 	}
-	return rep, nil
+	return nil
 }
 
 // demoSecret is the receiver's signing secret in the demo; the sender

@@ -1,0 +1,240 @@
+package migrate
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"io/fs"
+	"log/slog"
+	"math"
+	"strings"
+	"testing/fstest"
+	"time"
+
+	"github.com/pressly/goose/v3"
+
+	"github.com/idemkit/idem/internal/sqlstate"
+	"github.com/idemkit/idem/sql/migrations"
+)
+
+// Each migration step is one transaction, and its first statements (added
+// to the embedded migration's text as goose reads it, see guardedFS) make
+// it safe to run while the application runs and through a transaction
+// pooler:
+//
+//  1. pg_advisory_xact_lock(LockID): one step of idem's at a time. The lock
+//     belongs to the step's transaction, so it holds through PgBouncer in
+//     transaction mode (a session lock would be taken and released on
+//     different server sessions there) and it is never left behind: it
+//     ends with the transaction, committed, rolled back or cut off.
+//  2. The step checks that its version is still to be applied (up) or
+//     still applied (down), and raises stepDoneElsewhere when another
+//     migrator did it while this one waited for the lock; Migrator looks
+//     again and goes on from there.
+//  3. lock_timeout for the rest of the step (Config.LockTimeout): a step
+//     that needs a table lock an application transaction holds waits that
+//     long, not for the whole of that transaction, so claims do not queue
+//     behind the step's lock request. The step then rolls back and
+//     Migrator retries it after a pause (Config.Retries times).
+
+// stepDoneElsewhere is raised by a step whose version another migrator
+// applied (or rolled back) while this one waited for the migration lock.
+const stepDoneElsewhere = sqlstate.MigrationStepDone
+
+// Defaults of Config.
+const (
+	DefaultLockTimeout = 2 * time.Second
+	DefaultRetries     = 30
+)
+
+// Config says how each migration step waits for locks.
+type Config struct {
+	// LockTimeout bounds how long a statement of a step waits for a table
+	// lock (lock_timeout, set for the step's transaction only). An
+	// application transaction holding a lock the step needs then delays
+	// the application's other statements by at most about this long.
+	// 0: DefaultLockTimeout. At least 1ms.
+	LockTimeout time.Duration
+	// Retries is how many times in all a step that timed out waiting for a
+	// lock is tried again (after a pause that grows from 100ms to 5s)
+	// before the migration gives up with ErrLockTimeout. 0: DefaultRetries;
+	// -1: none.
+	Retries int
+	// Logger receives goose's log and one line per retry; nil: none.
+	Logger *slog.Logger
+}
+
+// ErrLockTimeout: a step kept timing out waiting for a table lock held by
+// another transaction, Config.Retries times. Nothing of that step was
+// applied; the steps before it were.
+var ErrLockTimeout = errors.New("idem/migrate: a migration step kept timing out waiting for a table lock")
+
+func (c Config) withDefaults() (Config, error) {
+	switch {
+	case c.LockTimeout == 0:
+		c.LockTimeout = DefaultLockTimeout
+	case c.LockTimeout < time.Millisecond:
+		return c, fmt.Errorf("idem/migrate: LockTimeout %v: give at least 1ms (0: the default, %v)", c.LockTimeout, DefaultLockTimeout)
+	}
+	switch {
+	case c.Retries == 0:
+		c.Retries = DefaultRetries
+	case c.Retries == -1:
+		c.Retries = 0
+	case c.Retries < -1:
+		return c, fmt.Errorf("idem/migrate: Retries %d: give 0 or more (-1: none)", c.Retries)
+	}
+	if c.Logger == nil {
+		c.Logger = discardLogger
+	}
+	return c, nil
+}
+
+// Migrator applies idem's migrations with Config's lock bounds, retrying a
+// step that timed out on a lock and going on after a step another
+// migrator applied.
+type Migrator struct {
+	p   *goose.Provider
+	db  *sql.DB
+	cfg Config
+}
+
+// New returns a Migrator over db (extra goose options are appended to
+// idem's, as NewProvider's).
+func New(db *sql.DB, cfg Config, opts ...goose.ProviderOption) (*Migrator, error) {
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	p, err := newProvider(db, cfg, append([]goose.ProviderOption{goose.WithSlog(cfg.Logger)}, opts...)...)
+	if err != nil {
+		return nil, err
+	}
+	return &Migrator{p: p, db: db, cfg: cfg}, nil
+}
+
+// Provider is the goose Provider the Migrator runs (for Status and
+// GetDBVersion; its Up and Down run the same guarded steps, without the
+// retries).
+func (m *Migrator) Provider() *goose.Provider { return m.p }
+
+// UpTo applies every pending migration up to version (math.MaxInt64: all),
+// after CheckSchema: a schema idem owned or writable by another role is
+// refused.
+func (m *Migrator) UpTo(ctx context.Context, version int64) ([]*goose.MigrationResult, error) {
+	if err := CheckSchema(ctx, m.db); err != nil {
+		return nil, err
+	}
+	return m.run(ctx, func() ([]*goose.MigrationResult, error) { return m.p.UpTo(ctx, version) })
+}
+
+// Up applies every pending migration.
+func (m *Migrator) Up(ctx context.Context) ([]*goose.MigrationResult, error) {
+	return m.UpTo(ctx, math.MaxInt64)
+}
+
+// DownTo rolls back to version, after GuardDown: a down that would drop
+// stored state is refused unless force is set.
+func (m *Migrator) DownTo(ctx context.Context, version int64, force bool) ([]*goose.MigrationResult, error) {
+	if err := GuardDown(ctx, m.db, m.p, version, force); err != nil {
+		return nil, err
+	}
+	return m.run(ctx, func() ([]*goose.MigrationResult, error) { return m.p.DownTo(ctx, version) })
+}
+
+// run calls step until it succeeds, retrying after a lock timeout (up to
+// Config.Retries times in all) and at once after a step another migrator
+// did, and returns every step's result.
+func (m *Migrator) run(ctx context.Context, step func() ([]*goose.MigrationResult, error)) ([]*goose.MigrationResult, error) {
+	var all []*goose.MigrationResult
+	timeouts, elsewhere := 0, 0
+	for {
+		res, err := step()
+		all = append(all, res...)
+		var partial *goose.PartialError
+		if errors.As(err, &partial) {
+			all = append(all, partial.Applied...)
+		}
+		if err == nil || errors.Is(err, goose.ErrNoNextVersion) {
+			return all, err
+		}
+		switch sqlstate.Of(err) {
+		case stepDoneElsewhere:
+			// Each time, another migrator made progress; more times than
+			// there are steps would mean the version table and goose
+			// disagree.
+			if elsewhere++; elsewhere > 2*int(Latest())+2 {
+				return all, fmt.Errorf("idem/migrate: a step kept finding its version done by another migrator (%d times): %w", elsewhere, err)
+			}
+			m.cfg.Logger.InfoContext(ctx, "idem/migrate: another migrator did this step; looking again", slog.String("error", err.Error()))
+			continue
+		case sqlstate.LockNotAvailable:
+			if timeouts >= m.cfg.Retries {
+				return all, fmt.Errorf("%w (%d times, lock timeout %v): %w; an application transaction holds a lock the step needs: "+
+					"migrate again when it has ended, or with a longer lock timeout or more retries (idemctl migrate up --lock-timeout, --lock-retries; migrate.Config)", ErrLockTimeout, timeouts+1, m.cfg.LockTimeout, err)
+			}
+			timeouts++
+			pause := min(100*time.Millisecond<<min(timeouts-1, 6), 5*time.Second)
+			m.cfg.Logger.WarnContext(ctx, "idem/migrate: a step timed out waiting for a table lock; retrying",
+				slog.Int("retry", timeouts), slog.Int("of", m.cfg.Retries), slog.Duration("pause", pause), slog.String("error", err.Error()))
+			select {
+			case <-ctx.Done():
+				return all, ctx.Err()
+			case <-time.After(pause):
+			}
+			continue
+		}
+		return all, err
+	}
+}
+
+// guardedFS returns the embedded migrations with the statements described
+// at the top of this file added at the start of each Up and Down section.
+func guardedFS(lockTimeout time.Duration) (fs.FS, error) {
+	entries, err := fs.ReadDir(migrations.FS, ".")
+	if err != nil {
+		return nil, err
+	}
+	out := fstest.MapFS{} // an in-memory fs.FS; nothing of testing is used
+	for _, e := range entries {
+		b, err := fs.ReadFile(migrations.FS, e.Name())
+		if err != nil {
+			return nil, err
+		}
+		if !strings.HasSuffix(e.Name(), ".sql") {
+			continue
+		}
+		version, err := goose.NumericComponent(e.Name())
+		if err != nil {
+			return nil, fmt.Errorf("idem/migrate: %s: %w", e.Name(), err)
+		}
+		text := string(b)
+		if strings.Contains(text, "-- +goose NO TRANSACTION") {
+			return nil, fmt.Errorf("idem/migrate: %s runs outside a transaction (NO TRANSACTION): each of idem's steps must be one, "+
+				"since the migration lock and the lock timeout are the transaction's", e.Name())
+		}
+		for _, dir := range []string{"Up", "Down"} {
+			marker := "-- +goose " + dir + "\n"
+			if strings.Count(text, marker) != 1 {
+				return nil, fmt.Errorf("idem/migrate: %s has %d %q lines, want one", e.Name(), strings.Count(text, marker), strings.TrimSpace(marker))
+			}
+			text = strings.Replace(text, marker, marker+prologue(version, dir == "Up", lockTimeout), 1)
+		}
+		out[e.Name()] = &fstest.MapFile{Data: []byte(text)}
+	}
+	return out, nil
+}
+
+// prologue is the statements each step starts with (one per line, as
+// goose splits them).
+func prologue(version int64, up bool, lockTimeout time.Duration) string {
+	cond, did := "", "applied"
+	if !up {
+		cond, did = "NOT ", "rolled back"
+	}
+	return fmt.Sprintf(`SELECT pg_catalog.set_config('lock_timeout', '0', true), pg_catalog.pg_advisory_xact_lock(%d);
+DO $idem$ BEGIN IF %sEXISTS (SELECT FROM %s WHERE version_id = %d AND is_applied) THEN RAISE EXCEPTION 'idem migration %d was %s by another migrator' USING ERRCODE = '%s'; END IF; END $idem$;
+SELECT pg_catalog.set_config('lock_timeout', '%dms', true);
+`, LockID, cond, TableName, version, version, did, stepDoneElsewhere, lockTimeout.Milliseconds())
+}
