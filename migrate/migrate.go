@@ -180,6 +180,10 @@ func (s schemaStore) CreateVersionTable(ctx context.Context, db database.DBTxCon
 		return fmt.Errorf("%w (%d relations, %d routines, no idem.goose_db_version): idem installs into a schema of its own; "+
 			"rename yours (ALTER SCHEMA idem RENAME TO ...) or drop it, then migrate again", ErrSchemaInUse, rels, routines)
 	}
+	// An empty schema idem made by someone else keeps its owner and grants.
+	if err := CheckSchema(ctx, db); err != nil {
+		return err
+	}
 	if _, err := db.ExecContext(ctx, "CREATE SCHEMA IF NOT EXISTS "+Schema); err != nil {
 		return fmt.Errorf("create schema %s: %w", Schema, err)
 	}
