@@ -21,6 +21,7 @@ BEGIN
     IF adopt_start.legacy IS NULL OR adopt_start.key_column IS NULL OR adopt_start.at_column IS NULL THEN
         RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'idem.adopt_start: legacy, key_column and at_column are required';
     END IF;
+    PERFORM idem.check_legacy(adopt_start.legacy);
     FOREACH v_col IN ARRAY ARRAY[adopt_start.key_column, adopt_start.at_column, adopt_start.result_column] LOOP
         IF v_col IS NOT NULL AND NOT EXISTS (SELECT 1 FROM pg_attribute t WHERE t.attrelid = adopt_start.legacy
                                                 AND t.attname = v_col AND t.attnum > 0 AND NOT t.attisdropped) THEN

@@ -7,26 +7,13 @@ CREATE OR REPLACE FUNCTION idem.create_partition(p_month date)
  SECURITY DEFINER
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
-DECLARE
-    v_lo   date := date_trunc('month', p_month::timestamp)::date;
-    v_hi   date := (date_trunc('month', p_month::timestamp) + interval '1 month')::date;
-    v_name text := idem.partition_name(v_lo);
 BEGIN
     IF p_month IS NULL THEN
         RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'idem.create_partition: month must not be NULL';
     END IF;
-    IF to_regclass(format('idem.%I', v_name)) IS NOT NULL THEN
-        RETURN v_name;
+    IF idem.make_month(p_month) LIKE 'kept:%' THEN
+        RETURN NULL;
     END IF;
-    EXECUTE format('CREATE TABLE idem.%I (LIKE idem.processed_events INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING INDEXES) WITH (fillfactor = 85)', v_name);
-    LOCK TABLE idem.processed_events_default IN ACCESS EXCLUSIVE MODE;
-    EXECUTE format('WITH moved AS (DELETE FROM idem.processed_events_default d
-                                    WHERE d.first_seen_month >= $1 AND d.first_seen_month < $2
-                                    RETURNING d.*)
-                    INSERT INTO idem.%I SELECT * FROM moved', v_name)
-        USING v_lo, v_hi;
-    EXECUTE format('ALTER TABLE idem.processed_events ATTACH PARTITION idem.%I FOR VALUES FROM (%L) TO (%L)',
-                   v_name, v_lo, v_hi);
-    RETURN v_name;
+    RETURN idem.partition_name(date_trunc('month', p_month::timestamp)::date);
 END
 $function$;

@@ -10,7 +10,7 @@ AS $function$
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
                     WHERE c.oid = part AND n.nspname = 'idem' AND c.relname ~ '^processed_events_p[0-9]{4}_[0-9]{2}$'
-                      AND NOT c.relispartition) THEN
+                      AND NOT c.relispartition AND c.relkind = 'r' AND c.relowner = n.nspowner) THEN
         RAISE EXCEPTION USING ERRCODE = 'ID002',
             MESSAGE = format('idem.drop_detached: %s is not a detached month of idem.processed_events', part);
     END IF;

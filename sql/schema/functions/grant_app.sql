@@ -8,5 +8,6 @@ CREATE OR REPLACE FUNCTION idem.grant_app(role regrole)
 AS $function$
 BEGIN
     PERFORM idem.grant_rights('app', role);
+    PERFORM idem.refuse_role_conflicts(role);
 END
 $function$;

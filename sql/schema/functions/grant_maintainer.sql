@@ -8,5 +8,6 @@ CREATE OR REPLACE FUNCTION idem.grant_maintainer(role regrole)
 AS $function$
 BEGIN
     PERFORM idem.grant_rights('maintainer', role);
+    PERFORM idem.refuse_role_conflicts(role);
 END
 $function$;

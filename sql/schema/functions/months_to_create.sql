@@ -7,18 +7,13 @@ CREATE OR REPLACE FUNCTION idem.months_to_create(premake integer)
  STABLE SECURITY DEFINER
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
-DECLARE
-    v_default date[];
 BEGIN
-    SELECT array_agg(DISTINCT d.first_seen_month) INTO v_default FROM idem.processed_events_default d;
+    PERFORM idem.check_rotate_args(premake, interval '1 second');
     RETURN QUERY
-    SELECT m::date FROM (
-        SELECT unnest(coalesce(v_default, '{}')) AS m
-        UNION
-        SELECT (idem.utc_month(idem.clock())::timestamp + make_interval(months => g))::date
-          FROM generate_series(0, greatest(months_to_create.premake, 0)) g
-    ) s
-    WHERE to_regclass('idem.' || quote_ident(idem.partition_name(m::date))) IS NULL
-    ORDER BY 1;
+    SELECT s.m FROM (
+        SELECT (idem.utc_month(idem.clock())::timestamp + make_interval(months => g))::date AS m
+          FROM generate_series(0, premake) g) s
+     WHERE NOT EXISTS (SELECT 1 FROM idem.partition_months() p WHERE NOT p.is_default AND p.month_from = s.m)
+     ORDER BY 1;
 END
 $function$;

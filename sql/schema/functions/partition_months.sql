@@ -6,11 +6,12 @@ CREATE OR REPLACE FUNCTION idem.partition_months()
  LANGUAGE sql
  STABLE SECURITY DEFINER
  SET search_path TO 'pg_catalog', 'pg_temp'
+ SET "DateStyle" TO 'ISO, YMD'
 AS $function$
     SELECT c.oid::regclass,
            b.bound = 'DEFAULT',
-           (regexp_match(b.bound, 'FROM \(''([0-9-]+)''\)'))[1]::date,
-           (regexp_match(b.bound, 'TO \(''([0-9-]+)''\)'))[1]::date
+           (regexp_match(b.bound, 'FROM \(''([0-9]{4}-[0-9]{2}-[0-9]{2})''\)'))[1]::date,
+           (regexp_match(b.bound, 'TO \(''([0-9]{4}-[0-9]{2}-[0-9]{2})''\)'))[1]::date
       FROM pg_inherits i
       JOIN pg_class c ON c.oid = i.inhrelid
      CROSS JOIN LATERAL (SELECT pg_get_expr(c.relpartbound, c.oid) AS bound) b

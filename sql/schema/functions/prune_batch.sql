@@ -19,7 +19,6 @@ BEGIN
         RAISE EXCEPTION USING ERRCODE = '22023',
             MESSAGE = format('idem.prune_batch: batch_size %s is out of range (1 to 1000000)', v_left);
     END IF;
-    PERFORM pg_advisory_xact_lock(1768187247, hashtext('prune'));
     IF NOT EXISTS (SELECT 1 FROM idem.maintenance_locks l
                     WHERE l.name = 'prune' AND l.holder = prune_batch.holder AND l.expires_at > clock_timestamp()) THEN
         RAISE EXCEPTION USING ERRCODE = 'ID001',
@@ -30,8 +29,8 @@ BEGIN
     v_citus := idem.distributed();
     FOR v_part IN SELECT p.partition FROM idem.partition_months() p LOOP
         IF v_citus THEN
-            -- (version 11) Citus plans neither ctid lists nor FOR UPDATE on
-            -- a distributed table: the batch is addressed by primary key,
+            -- Citus plans neither ctid lists nor FOR UPDATE on a
+            -- distributed table: the batch is addressed by primary key,
             -- and the outer DELETE checks the conditions again, so a row a
             -- claim replaced meanwhile (same key and month) is kept.
             EXECUTE format(

@@ -6,6 +6,7 @@ CREATE OR REPLACE FUNCTION idem.try_lock(name text, holder text, ttl interval)
  LANGUAGE plpgsql
  SECURITY DEFINER
  SET search_path TO 'pg_catalog', 'pg_temp'
+ SET lock_timeout TO '2s'
 AS $function$
 #variable_conflict use_column
 DECLARE
@@ -22,7 +23,6 @@ BEGIN
     IF v_ttl <= interval '0' OR v_ttl > interval '1 day' THEN
         RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = format('idem.try_lock: ttl %s is out of range (0 to 1 day)', v_ttl);
     END IF;
-    PERFORM pg_advisory_xact_lock(1768187247, hashtext(try_lock.name));
     v_now := clock_timestamp();
     RETURN QUERY
     INSERT INTO idem.maintenance_locks AS l (name, holder, acquired_at, expires_at)

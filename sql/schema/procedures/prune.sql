@@ -5,7 +5,7 @@ CREATE OR REPLACE PROCEDURE idem.prune(IN batch_size integer DEFAULT 5000, IN ma
  LANGUAGE plpgsql
 AS $procedure$
 DECLARE
-    v_holder  text := 'sql:' || pg_catalog.pg_backend_pid() || ':' || pg_catalog.md5(pg_catalog.clock_timestamp()::text);
+    v_holder  text;
     v_start   timestamptz := pg_catalog.clock_timestamp();
     v_got     boolean;
     v_n       bigint;
@@ -13,26 +13,28 @@ DECLARE
     v_batches integer := 0;
     v_folded  bigint;
 BEGIN
-    SELECT acquired INTO v_got FROM idem.try_lock('prune', v_holder, NULL);
+    PERFORM idem.check_prune_args(batch_size, max_batches);
+    v_holder := idem.sql_holder();
+    SELECT l.acquired INTO v_got FROM idem.try_lock('prune'::text, v_holder, NULL::interval) l;
     IF NOT v_got THEN
-        PERFORM idem.record_run('prune', v_start, 'skipped', '{}', NULL, v_holder);
+        PERFORM idem.record_run('prune'::text, v_start, 'skipped'::text, '{}'::jsonb, NULL::text, v_holder);
         RAISE NOTICE 'idem.prune: skipped, another prune holds the lock';
         RETURN;
     END IF;
     COMMIT;
     FOR i IN 1..max_batches LOOP
-        PERFORM idem.try_lock('prune', v_holder, NULL);
+        PERFORM idem.try_lock('prune'::text, v_holder, NULL::interval);
         v_n := idem.prune_batch(v_holder, batch_size);
-        v_total := v_total + v_n;
-        v_batches := v_batches + 1;
+        v_total := v_total OPERATOR(pg_catalog.+) v_n;
+        v_batches := v_batches OPERATOR(pg_catalog.+) 1;
         COMMIT;
-        EXIT WHEN v_n < batch_size;
+        EXIT WHEN v_n OPERATOR(pg_catalog.<) batch_size;
     END LOOP;
     v_folded := idem.compact_duplicate_counts();
     COMMIT;
-    PERFORM idem.release_lock('prune', v_holder);
-    PERFORM idem.record_run('prune', v_start, 'ok',
-        pg_catalog.jsonb_build_object('deleted', v_total, 'batches', v_batches, 'folded', v_folded), NULL, v_holder);
+    PERFORM idem.release_lock('prune'::text, v_holder);
+    PERFORM idem.record_run('prune'::text, v_start, 'ok'::text,
+        pg_catalog.jsonb_build_object('deleted'::text, v_total, 'batches'::text, v_batches, 'folded'::text, v_folded), NULL::text, v_holder);
     COMMIT;
     RAISE NOTICE 'idem.prune: deleted % rows, folded % duplicate-count rows', v_total, v_folded;
 END

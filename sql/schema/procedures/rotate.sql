@@ -5,7 +5,8 @@ CREATE OR REPLACE PROCEDURE idem.rotate(IN premake integer DEFAULT 3, IN keep_de
  LANGUAGE plpgsql
 AS $procedure$
 DECLARE
-    v_holder text := 'sql:' || pg_catalog.pg_backend_pid() || ':' || pg_catalog.md5(pg_catalog.clock_timestamp()::text);
+    v_holder text;
+    v_wait   text;
     v_got    boolean;
     v_month  date;
     v_part   regclass;
@@ -15,50 +16,78 @@ DECLARE
     v_gone   integer := 0;
     v_kept   integer := 0;
     v_gaveup integer := 0;
+    -- An error in a step: kept to release the lock and record the run
+    -- first, then raised.
+    v_state  text;
+    v_msg    text;
+    v_detail text;
+    v_hint   text;
 BEGIN
-    SELECT acquired INTO v_got FROM idem.try_lock('rotate', v_holder, NULL);
+    v_wait := idem.check_rotate_args(premake, lock_wait);
+    v_holder := idem.sql_holder();
+    SELECT l.acquired INTO v_got FROM idem.try_lock('rotate'::text, v_holder, NULL::interval) l;
     IF NOT v_got THEN
-        PERFORM idem.record_run('rotate', v_start, 'skipped', '{}', NULL, v_holder);
+        PERFORM idem.record_run('rotate'::text, v_start, 'skipped'::text, '{}'::jsonb, NULL::text, v_holder);
         RAISE NOTICE 'idem.rotate: skipped, another rotation holds the lock';
         RETURN;
     END IF;
     COMMIT;
-    FOR v_month IN SELECT * FROM idem.months_to_create(premake) LOOP
+    FOR v_month IN SELECT m.m FROM idem.months_to_create(premake) m(m) LOOP
+        v_res := NULL;
         BEGIN
-            PERFORM pg_catalog.set_config('lock_timeout', pg_catalog.floor(extract(epoch FROM lock_wait) * 1000)::text, true);
-            PERFORM idem.create_partition(v_month);
-            v_made := v_made + 1;
-            RAISE NOTICE 'idem.rotate: created partition for %', v_month;
-        EXCEPTION WHEN lock_not_available THEN
-            v_gaveup := v_gaveup + 1;
-            RAISE NOTICE 'idem.rotate: could not lock for %, left for the next run', v_month;
+            PERFORM pg_catalog.set_config('lock_timeout'::text, v_wait, true);
+            v_res := idem.make_month(v_month);
+        EXCEPTION
+            WHEN lock_not_available THEN
+                v_gaveup := v_gaveup OPERATOR(pg_catalog.+) 1;
+                RAISE NOTICE 'idem.rotate: could not lock for %, left for the next run', v_month;
+            WHEN OTHERS THEN
+                GET STACKED DIAGNOSTICS v_state = RETURNED_SQLSTATE, v_msg = MESSAGE_TEXT,
+                                        v_detail = PG_EXCEPTION_DETAIL, v_hint = PG_EXCEPTION_HINT;
         END;
         COMMIT;
+        EXIT WHEN v_state IS NOT NULL;
+        IF v_res OPERATOR(pg_catalog.=) 'created' THEN
+            v_made := v_made OPERATOR(pg_catalog.+) 1;
+            RAISE NOTICE 'idem.rotate: created partition for %', v_month;
+        ELSIF v_res IS NOT NULL THEN
+            RAISE NOTICE 'idem.rotate: %: %', v_month, v_res;
+        END IF;
     END LOOP;
-    FOR v_part IN SELECT * FROM idem.partitions_to_retire() LOOP
+    FOR v_part IN SELECT p.p FROM idem.partitions_to_retire() p(p) LOOP
+        EXIT WHEN v_state IS NOT NULL;
         v_res := NULL; -- a lock timeout must not leave the previous partition's result behind
         BEGIN
-            PERFORM pg_catalog.set_config('lock_timeout', pg_catalog.floor(extract(epoch FROM lock_wait) * 1000)::text, true);
+            PERFORM pg_catalog.set_config('lock_timeout'::text, v_wait, true);
             v_res := idem.retire_partition(v_part, true);
             RAISE NOTICE 'idem.rotate: %: %', v_part, v_res;
-        EXCEPTION WHEN lock_not_available THEN
-            v_gaveup := v_gaveup + 1;
-            RAISE NOTICE 'idem.rotate: could not lock %, left for the next run', v_part;
+        EXCEPTION
+            WHEN lock_not_available THEN
+                v_gaveup := v_gaveup OPERATOR(pg_catalog.+) 1;
+                RAISE NOTICE 'idem.rotate: could not lock %, left for the next run', v_part;
+            WHEN OTHERS THEN
+                GET STACKED DIAGNOSTICS v_state = RETURNED_SQLSTATE, v_msg = MESSAGE_TEXT,
+                                        v_detail = PG_EXCEPTION_DETAIL, v_hint = PG_EXCEPTION_HINT;
         END;
         COMMIT;
-        IF v_res IN ('detached', 'dropped') THEN
-            v_gone := v_gone + 1;
+        IF v_res OPERATOR(pg_catalog.=) 'detached' OR v_res OPERATOR(pg_catalog.=) 'dropped' THEN
+            v_gone := v_gone OPERATOR(pg_catalog.+) 1;
         ELSIF v_res IS NOT NULL THEN
-            v_kept := v_kept + 1;
+            v_kept := v_kept OPERATOR(pg_catalog.+) 1;
         END IF;
-        IF v_res = 'detached' AND NOT keep_detached THEN
+        IF v_res OPERATOR(pg_catalog.=) 'detached' AND NOT keep_detached THEN
             PERFORM idem.drop_detached(v_part);
             COMMIT;
         END IF;
     END LOOP;
-    PERFORM idem.release_lock('rotate', v_holder);
-    PERFORM idem.record_run('rotate', v_start, CASE WHEN v_gaveup > 0 THEN 'incomplete' ELSE 'ok' END,
-        pg_catalog.jsonb_build_object('created', v_made, 'retired', v_gone, 'kept', v_kept, 'gave_up', v_gaveup), NULL, v_holder);
+    PERFORM idem.release_lock('rotate'::text, v_holder);
+    PERFORM idem.record_run('rotate'::text, v_start,
+        CASE WHEN v_state IS NOT NULL THEN 'error'::text WHEN v_gaveup OPERATOR(pg_catalog.>) 0 THEN 'incomplete'::text ELSE 'ok'::text END,
+        pg_catalog.jsonb_build_object('created'::text, v_made, 'retired'::text, v_gone, 'kept'::text, v_kept, 'gave_up'::text, v_gaveup), v_msg, v_holder);
     COMMIT;
+    IF v_state IS NOT NULL THEN
+        RAISE EXCEPTION USING ERRCODE = v_state, MESSAGE = v_msg,
+            DETAIL = coalesce(v_detail, ''), HINT = coalesce(v_hint, '');
+    END IF;
 END
 $procedure$;
