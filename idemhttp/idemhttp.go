@@ -358,7 +358,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 	}
 
 	if m.cfg.Scope != nil {
-		key = m.cfg.Scope(r) + "|" + key
+		key = idem.ScopeKey(m.cfg.Scope(r), key)
 	}
 	if m.cfg.Async != nil {
 		d := &Delivery{Source: m.cfg.Source, Key: key, EventType: eventType,

@@ -38,8 +38,12 @@ func (e *KeyFieldError) Is(target error) bool { return target == ErrKeyField }
 const maxKey = 512
 
 // JSONKey keys by the values at paths in the JSON body, in gjson's path
-// syntax ("data.object.id", "items.0.sku"; see github.com/tidwall/gjson),
-// joined with ":" in the order given when there are several. Every path
+// syntax ("data.object.id", "items.0.sku"; see github.com/tidwall/gjson).
+// One path: the key is the value as it is. Several: the values are joined
+// in the order given by idem.JoinKey (":" between them, a ":" or "\" inside
+// a value escaped with "\"), so that two events whose fields differ never
+// share a key ("a:b","c" and "a","b:c" are `a\:b:c` and `a:b\:c`); values
+// without ":" or "\" give the same key as a plain join. Every path
 // is required, and must hold a non-empty string or an integer; anything
 // else is an ErrKeyField error naming the path (answered 400, nothing
 // claimed), never an empty or partial key. typePath, when not "", is the
@@ -62,7 +66,7 @@ func JSONKey(typePath string, paths ...string) KeyFunc {
 			}
 			parts[i] = v
 		}
-		key := strings.Join(parts, ":")
+		key := joinParts(parts)
 		if len(key) > maxKey {
 			return "", "", &KeyFieldError{Path: strings.Join(paths, ","), Problem: fmt.Sprintf("the key would be %d bytes, over idem's %d", len(key), maxKey)}
 		}
@@ -118,7 +122,8 @@ func isInteger(raw string) bool {
 }
 
 // Compose keys by several KeyFuncs at once (headers and JSON fields, say),
-// their keys joined with ":" in order; each must give a key (an empty one
+// their keys joined in order by idem.JoinKey as JSONKey joins its values
+// (one KeyFunc: its key as it is); each must give a key (an empty one
 // is an ErrKeyField error naming its position), and the event type is the
 // first one given.
 //
@@ -140,12 +145,21 @@ func Compose(keys ...KeyFunc) KeyFunc {
 				typ = t
 			}
 		}
-		key := strings.Join(parts, ":")
+		key := joinParts(parts)
 		if len(key) > maxKey {
 			return "", "", &KeyFieldError{Problem: fmt.Sprintf("the composed key would be %d bytes, over idem's %d", len(key), maxKey)}
 		}
 		return key, typ, nil
 	}
+}
+
+// joinParts is the key of parts: one part as it is, several by
+// idem.JoinKey.
+func joinParts(parts []string) string {
+	if len(parts) == 1 {
+		return parts[0]
+	}
+	return idem.JoinKey(parts[0], parts[1:]...)
 }
 
 // JSONFingerprint fingerprints the values at paths of the JSON body only

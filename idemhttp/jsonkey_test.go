@@ -1,6 +1,8 @@
 package idemhttp_test
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"net/http"
 	"net/http/httptest"
@@ -127,5 +129,74 @@ func TestJSONKeyOverHTTP(t *testing.T) {
 	requireProblem(t, bad, 400)
 	if !strings.Contains(bad.body, `key field \"data.object.id\": not in the body`) || runs != 1 {
 		t.Fatalf("missing field: %s, runs %d", bad.body, runs)
+	}
+}
+
+// TestJSONKeysCannotCollide: two events whose fields hold ":" (URN ids,
+// tenant names) have different keys, through JSONKey and Compose, and
+// over HTTP each runs once (the second is not replayed the first one's
+// answer, nor answered 422); fields without ":" or "\" keep the key a
+// plain join gives (keys stored by earlier versions still match), and one
+// path is its value as it is.
+func TestJSONKeysCannotCollide(t *testing.T) {
+	t.Parallel()
+	r := httptest.NewRequest("POST", "/", nil)
+	two := idemhttp.JSONKey("", "tenant", "id")
+	bodies := []string{`{"tenant":"a:b","id":"c"}`, `{"tenant":"a","id":"b:c"}`, `{"tenant":"a\\","id":":c"}`, `{"tenant":"a","id":"\\:c"}`}
+	seen := map[string]string{}
+	for _, b := range bodies {
+		key, _, err := two(r, []byte(b))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if other, dup := seen[key]; dup {
+			t.Fatalf("%s and %s share the key %q", other, b, key)
+		}
+		seen[key] = b
+	}
+	if key, _, _ := two(r, []byte(`{"tenant":"acme","id":42}`)); key != "acme:42" {
+		t.Fatalf("plain fields: %q, want the plain join acme:42", key)
+	}
+	if key, _, _ := idemhttp.JSONKey("", "id")(r, []byte(`{"id":"urn:evt:1"}`)); key != "urn:evt:1" {
+		t.Fatalf("one path: %q, want the value as it is", key)
+	}
+	composed := idemhttp.Compose(idemhttp.HeaderKey("", "X-Tenant"), idemhttp.JSONKey("", "id"))
+	r1 := httptest.NewRequest("POST", "/", nil)
+	r1.Header.Set("X-Tenant", "a:b")
+	r2 := httptest.NewRequest("POST", "/", nil)
+	r2.Header.Set("X-Tenant", "a")
+	k1, _, _ := composed(r1, []byte(`{"id":"c"}`))
+	k2, _, _ := composed(r2, []byte(`{"id":"b:c"}`))
+	if k1 == k2 {
+		t.Fatalf("Compose: two events share the key %q", k1)
+	}
+
+	runs := 0
+	srv, _ := setup(t, idemhttp.Config{Source: "tenants", Key: two}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs++
+		w.Write([]byte("done\n"))
+	}))
+	for _, b := range bodies[:2] {
+		res := send(t, srv, "POST", "/", b, nil)
+		if res.status != 200 || res.header.Get(idemhttp.ReplayedHeader) == "true" {
+			t.Fatalf("%s: %d %v", b, res.status, res.header)
+		}
+	}
+	if runs != 2 {
+		t.Fatalf("runs %d, want one per event", runs)
+	}
+}
+
+// TestGuardKeysCannotCollide: an event type with a newline cannot make
+// its (type, body) pair hash like another; a header's event type keeps
+// the guard key earlier versions stored.
+func TestGuardKeysCannotCollide(t *testing.T) {
+	t.Parallel()
+	if idemhttp.GuardKey("a\nb", []byte("c")) == idemhttp.GuardKey("a", []byte("b\nc")) {
+		t.Fatal(`("a\nb", "c") and ("a", "b\nc") share a guard key`)
+	}
+	sum := sha256.Sum256([]byte("push\n{}"))
+	if idemhttp.GuardKey("push", []byte("{}")) != hex.EncodeToString(sum[:]) {
+		t.Fatal("the guard key of a header's event type changed")
 	}
 }
