@@ -398,3 +398,26 @@ func TestCacheListenerKilled(t *testing.T) {
 		}
 	}
 }
+
+// TestCacheKeysCannotCollide: the cache finds an entry by the exact
+// (source, key), not by a digest of source+"\x1f"+key: a completed key of
+// source "a\x1fb" cached, the never-seen key "b\x1fc" of source "a" (the
+// same string once joined with \x1f) is acquired, never answered with the
+// other key's result. A release of one drops only what its digest names.
+func TestCacheKeysCannotCollide(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t, testdb.New(t), 4)
+	countEvery(t, pool, "a\x1fb")
+	c := cachedClient(t, pool)
+	warmCache(t, c, pool, "a\x1fb", "c", "")
+	for range 3 { // the listener is up: these fill the cache
+		if cl, err := c.Claim(ctx, "a\x1fb", "c"); err != nil || cl.Outcome != idem.Completed {
+			t.Fatalf("%+v %v", cl, err)
+		}
+	}
+	cl, err := c.Claim(ctx, "a", "b\x1fc")
+	if err != nil || cl.Outcome != idem.Acquired {
+		t.Fatalf("a never-seen key answered %+v %v (the cache confused it with another source's key)", cl, err)
+	}
+}

@@ -315,12 +315,10 @@ func (c *Client) claim(ctx context.Context, source, key string, opts []ClaimOpti
 	if err := c.checkWait(&a); err != nil {
 		return nil, err
 	}
-	var digest string
 	var gen uint64
 	cached := c.cache != nil && c.hub.fresh()
 	if cached {
-		digest = waitKey(source, key)
-		if cl, ok := c.cache.get(digest, a.fingerprint); ok {
+		if cl, ok := c.cache.get(source, key, a.fingerprint); ok {
 			return cl, nil
 		}
 		gen = c.cache.generation()
@@ -342,7 +340,7 @@ func (c *Client) claim(ctx context.Context, source, key string, opts []ClaimOpti
 			}
 		}
 		if ok {
-			c.cache.put(digest, a.fingerprint, cl, gen)
+			c.cache.put(source, key, a.fingerprint, cl, gen)
 		}
 	}
 	if cl.Outcome == InProgress && a.wait > 0 {
