@@ -2,6 +2,8 @@ package idem_test
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"strings"
 	"sync"
@@ -313,5 +315,40 @@ func TestEffectBadInput(t *testing.T) {
 	other, _, _ := idem.EffectKey("stripe", longKey[:511]+"j", "mail")
 	if other == key {
 		t.Fatal("two long keys share an effect key")
+	}
+}
+
+// TestEffectKeysCannotCollide: the hashed effect key of a long event key
+// is the plain form of no other event's key. An event keyed
+// "sha256:<hex of the long key's SHA-256>" (a valid 71-byte key) has an
+// effect of its own: it runs, and is not answered with the other event's
+// result.
+func TestEffectKeysCannotCollide(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t, testdb.New(t), 4)
+	c := idem.New(pool, nil)
+	longKey := strings.Repeat("k", 510) // "charge/"+key is over 512 bytes: hashed
+	sum := sha256.Sum256([]byte(longKey))
+	lookalike := "sha256:" + hex.EncodeToString(sum[:])
+	var charges []string
+	for _, key := range []string{longKey, lookalike} {
+		_, err := c.Do(ctx, "stripe", key, func(ctx context.Context) (any, error) {
+			return c.Effect(ctx, "charge", func(context.Context) (any, error) {
+				charges = append(charges, key[:10])
+				return key[:10], nil
+			})
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if len(charges) != 2 {
+		t.Fatalf("charges run: %q, want one per event", charges)
+	}
+	_, a, _ := idem.EffectKey("stripe", longKey, "charge")
+	_, b, _ := idem.EffectKey("stripe", lookalike, "charge")
+	if a == b {
+		t.Fatalf("two events share the effect key %q", a)
 	}
 }
