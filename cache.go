@@ -30,9 +30,11 @@ const (
 const (
 	cachePing  = 500 * time.Millisecond
 	cacheFresh = 1500 * time.Millisecond
-	// ReleaseGrace is how long after idem.release committed every
-	// process's cache has dropped the key or stopped answering (its
-	// listener not heard from within 1.5 s): idemctl release waits it out
+	// ReleaseGrace is how long after idem.release committed the release
+	// takes effect: the key's retention ends then (migration 15), and by
+	// then every process's cache has dropped the key or stopped answering
+	// (its listener not heard from within 1.5 s). Until then the database
+	// and the caches alike answer Completed. idemctl release waits it out
 	// before it returns.
 	ReleaseGrace = 2 * time.Second
 	// cacheExpiryMargin: an outcome is cached only while its key's

@@ -118,8 +118,9 @@ type Config struct {
 	// idem.release (idemctl release) is heard by every process: the client
 	// listens on channel idem_released on one connection of its own, and
 	// the cache answers only while that listener was heard from within
-	// 1.5 s (it pings when quiet), so once idemctl release has returned
-	// (ReleaseGrace after the commit) no cache answers for the key. Where
+	// 1.5 s (it pings when quiet); a release takes effect ReleaseGrace
+	// after its commit, in the database and every cache at once, so once
+	// idemctl release has returned no cache answers for the key. Where
 	// LISTEN gets nothing (a transaction pooler), the cache never answers.
 	// Rows deleted by hand are not heard: use idem.release. New only, over
 	// a *pgxpool.Pool; call Client.Close to stop the listener. Clients
