@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"strconv"
 	"strings"
 
 	"github.com/tidwall/gjson"
@@ -165,9 +166,12 @@ func joinParts(parts []string) string {
 // JSONFingerprint fingerprints the values at paths of the JSON body only
 // (gjson paths), so that a sender adding or reordering other fields on a
 // retry is not a mismatch. Each value is compared in a canonical form
-// (object keys sorted, insignificant white space dropped); an absent path
-// counts as absent, not as an error. A body that is not JSON is
-// fingerprinted whole.
+// (object keys sorted, insignificant white space dropped, numbers by their
+// value: 1, 1.0, 1e0 and 10E-1 are one number, written as the shortest
+// plain decimal, so a sender or proxy that re-serializes numbers is not a
+// mismatch; numbers already written that way fingerprint as before); an
+// absent path counts as absent, not as an error. A body that is not JSON
+// is fingerprinted whole.
 func JSONFingerprint(paths ...string) FingerprintFunc {
 	return func(_ *http.Request, body []byte) string {
 		if !gjson.ValidBytes(body) {
@@ -181,7 +185,7 @@ func JSONFingerprint(paths ...string) FingerprintFunc {
 				parts = append(parts, []byte{0})
 				continue
 			}
-			c, err := idem.Canonical(json.RawMessage(v.Raw))
+			c, err := canonicalValue(v.Raw)
 			if err != nil {
 				c = []byte(v.Raw)
 			}
@@ -189,4 +193,79 @@ func JSONFingerprint(paths ...string) FingerprintFunc {
 		}
 		return idem.Fingerprint(parts...)
 	}
+}
+
+// canonicalValue is idem.Canonical of a JSON value with every number
+// written by canonicalNumber.
+func canonicalValue(raw string) ([]byte, error) {
+	dec := json.NewDecoder(strings.NewReader(raw))
+	dec.UseNumber()
+	var v any
+	if err := dec.Decode(&v); err != nil {
+		return nil, err
+	}
+	return idem.Canonical(normalizeNumbers(v))
+}
+
+func normalizeNumbers(v any) any {
+	switch x := v.(type) {
+	case json.Number:
+		return json.Number(canonicalNumber(string(x)))
+	case map[string]any:
+		for k, e := range x {
+			x[k] = normalizeNumbers(e)
+		}
+	case []any:
+		for i, e := range x {
+			x[i] = normalizeNumbers(e)
+		}
+	}
+	return v
+}
+
+// canonicalNumber writes a JSON number by its exact value: the shortest
+// plain decimal ("1.0" and "1e0" are "1", "1.50" is "1.5", "-0" is "0"),
+// or digits and an exponent ("1e400") when the plain form would be longer
+// than maxPlain. Exact: no float conversion, so large integers stay
+// distinct.
+func canonicalNumber(n string) string {
+	const maxPlain = 100
+	orig := n
+	neg := strings.HasPrefix(n, "-")
+	n = strings.TrimPrefix(n, "-")
+	mant, exp := n, int64(0)
+	if i := strings.IndexAny(n, "eE"); i >= 0 {
+		e, err := strconv.ParseInt(strings.TrimPrefix(n[i+1:], "+"), 10, 32)
+		if err != nil {
+			return orig // an exponent past 32 bits: as written
+		}
+		mant, exp = n[:i], e
+	}
+	digits := mant
+	if i := strings.IndexByte(mant, '.'); i >= 0 {
+		digits = mant[:i] + mant[i+1:]
+		exp -= int64(len(mant) - i - 1)
+	}
+	digits = strings.TrimLeft(digits, "0")
+	if digits == "" {
+		return "0"
+	}
+	trimmed := strings.TrimRight(digits, "0")
+	exp += int64(len(digits) - len(trimmed))
+	digits = trimmed
+	sign := ""
+	if neg {
+		sign = "-"
+	}
+	// value = digits × 10^exp
+	switch {
+	case exp >= 0 && int64(len(digits))+exp <= maxPlain:
+		return sign + digits + strings.Repeat("0", int(exp))
+	case exp < 0 && -exp < int64(len(digits)):
+		point := int64(len(digits)) + exp
+		return sign + digits[:point] + "." + digits[point:]
+	case exp < 0 && -exp-int64(len(digits)) < maxPlain:
+		return sign + "0." + strings.Repeat("0", int(-exp-int64(len(digits)))) + digits
+	}
+	return sign + digits + "e" + strconv.FormatInt(exp, 10)
 }

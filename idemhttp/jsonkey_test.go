@@ -9,6 +9,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/idemhttp"
 )
 
@@ -198,5 +199,34 @@ func TestGuardKeysCannotCollide(t *testing.T) {
 	sum := sha256.Sum256([]byte("push\n{}"))
 	if idemhttp.GuardKey("push", []byte("{}")) != hex.EncodeToString(sum[:]) {
 		t.Fatal("the guard key of a header's event type changed")
+	}
+}
+
+// TestJSONFingerprintNumbers: a number is compared by its value, so a
+// sender or proxy that re-serializes 1 as 1.0 (or 1e0, 10E-1) is not a
+// mismatch; different values stay different, however large or precise;
+// numbers written in the shortest plain form fingerprint as before.
+func TestJSONFingerprintNumbers(t *testing.T) {
+	t.Parallel()
+	fp := idemhttp.JSONFingerprint("n")
+	r := httptest.NewRequest("POST", "/", nil)
+	of := func(n string) string { return fp(r, []byte(`{"n":`+n+`}`)) }
+	for _, same := range [][]string{{"1", "1.0", "1e0", "10E-1", "1.000", "0.1e1", "100e-2"}, {"0", "-0", "0.0", "0e5"},
+		{"0.1", "0.10", "1e-1", "0.01e1"}, {"-2.5", "-25e-1", "-2.50"}, {"1e400", "10e399", "1.0e400"}, {"120", "1.2e2", "12E1"}} {
+		for _, n := range same[1:] {
+			if of(n) != of(same[0]) {
+				t.Errorf("%s and %s fingerprint differently", same[0], n)
+			}
+		}
+	}
+	for _, pair := range [][2]string{{"1", "2"}, {"12345678901234567891", "12345678901234567892"}, {"0.1", "0.11"}, {"1e400", "1e401"},
+		{"1", "-1"}, {"1", `"1"`}, {"0.000000000000000000001", "0.000000000000000000002"}} {
+		if of(pair[0]) == of(pair[1]) {
+			t.Errorf("%s and %s fingerprint the same", pair[0], pair[1])
+		}
+	}
+	// As earlier versions stored it: path, then the value as written.
+	if of("4200") != idem.Fingerprint([]byte("n"), []byte("4200")) || fp(r, []byte(`{"n":{"b":1.5,"a":[2]}}`)) != idem.Fingerprint([]byte("n"), []byte(`{"a":[2],"b":1.5}`)) {
+		t.Error("a fingerprint of numbers already in plain form changed")
 	}
 }
