@@ -212,3 +212,44 @@ func TestListenerCloses(t *testing.T) {
 		}
 	}
 }
+
+// TestWaitCountedOnce: a duplicate that waits (WithWait) for the original
+// to complete is counted as one duplicate, not two (its claim after the
+// wait is not counted): on a pgx pool and through database/sql.
+func TestWaitCountedOnce(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.Pool(t, url, 8)
+	db, err := sql.Open("pgx", url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	for name, c := range map[string]*idem.Client{"pgx": idem.New(pool, nil), "sql": idem.NewSQL(db, nil)} {
+		source := "once-" + name
+		countEvery(t, pool, source)
+		orig, err := c.Claim(ctx, source, "k")
+		if err != nil {
+			t.Fatal(err)
+		}
+		ch := make(chan *idem.Claim, 1)
+		go func() {
+			cl, err := c.Claim(ctx, source, "k", idem.WithWait(10*time.Second))
+			if err != nil {
+				t.Error(err)
+			}
+			ch <- cl
+		}()
+		time.Sleep(300 * time.Millisecond)
+		if err := c.Complete(ctx, source, "k", orig.Token, json.RawMessage(`1`)); err != nil {
+			t.Fatal(err)
+		}
+		if cl := <-ch; cl == nil || cl.Outcome != idem.Completed {
+			t.Fatalf("%s: the waiter got %+v", name, cl)
+		}
+		if n := counted(t, pool, source); n != 1 {
+			t.Errorf("%s: a waiting duplicate counted %d times, want once", name, n)
+		}
+	}
+}

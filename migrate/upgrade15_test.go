@@ -16,7 +16,8 @@ import (
 // forever, claims of '01', ' 1' and a key past the integer range are new
 // keys (not legacy row 1, not an error); idem.release ends a key's
 // retention 2 seconds later instead of deleting it. Down to 13 restores
-// adopt_batch and adopt_key version 9 and release version 13; up again.
+// adopt_batch and adopt_key version 9, release version 13 and
+// count_duplicate version 10; up again.
 func TestUpgradeTo15(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -101,7 +102,7 @@ func TestUpgradeTo15(t *testing.T) {
 	}
 	seededAnswered(t, db, "down to 13")
 	for fn, want := range map[string]string{"idem.adopt_batch(bigint, integer)": "ORDER BY l.%2$I", "idem.adopt_key(bigint, text, timestamptz, date, date)": "invalid_text_representation",
-		"idem.release(text, text)": "DELETE FROM idem.processed_events"} {
+		"idem.release(text, text)": "DELETE FROM idem.processed_events", "idem.count_duplicate(text, text, date, integer, boolean, timestamptz)": "INSERT INTO idem.duplicate_counts"} {
 		if src := prosrc(t, db, fn); !strings.Contains(src, want) || strings.Contains(src, "version 15") {
 			t.Errorf("%s after down to 13 is not the previous version", fn)
 		}

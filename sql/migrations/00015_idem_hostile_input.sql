@@ -22,8 +22,12 @@
 --   did; now both answer "completed" until the same moment, and neither
 --   after it.
 --
--- Down restores adopt_batch and adopt_key version 9 and release version
--- 13, and drops the counters.
+-- * idem.count_duplicate, version 15: counts nothing in a transaction
+--   that set idem.uncounted: the Go client's claim after a WithWait, whose
+--   first claim counted the duplicate already (it was counted twice).
+--
+-- Down restores adopt_batch and adopt_key version 9, release version 13
+-- and count_duplicate version 10, and drops the counters.
 
 -- +goose Up
 -- +goose StatementBegin
@@ -223,7 +227,67 @@ END
 $$;
 -- +goose StatementEnd
 
+-- +goose StatementBegin
+-- count_duplicate, version 15.
+CREATE OR REPLACE FUNCTION idem.count_duplicate(p_source text, p_key text, p_month date, p_weight integer,
+                                     p_per_key boolean, p_now timestamptz) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+    SECURITY DEFINER
+    SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    -- (version 15) A waiting duplicate's claim after its wait (WithWait)
+    -- runs in a transaction marked idem.uncounted: its first claim, which
+    -- found the key in progress, counted it already.
+    IF pg_catalog.current_setting('idem.uncounted', true) = 'on' THEN
+        RETURN;
+    END IF;
+    INSERT INTO idem.duplicate_counts AS d (source, slot, duplicates, since, last_seen_at)
+    VALUES (p_source, pg_backend_pid(), p_weight, p_now, p_now)
+    ON CONFLICT (source, slot) DO UPDATE
+       SET duplicates = d.duplicates + EXCLUDED.duplicates, last_seen_at = EXCLUDED.last_seen_at;
+    -- (version 10) and in its minute of idem.activity.
+    PERFORM idem.count_activity(p_source, p_now, 0, p_weight);
+    IF p_per_key THEN
+        UPDATE idem.processed_events e
+           SET duplicates = e.duplicates + p_weight, last_seen_at = p_now
+          FROM (SELECT l.first_seen_month FROM idem.processed_events l
+                 WHERE l.source = p_source AND l.key = p_key AND l.first_seen_month = p_month
+                   FOR UPDATE SKIP LOCKED) l
+         WHERE e.source = p_source AND e.key = p_key AND e.first_seen_month = l.first_seen_month;
+    END IF;
+END
+$$;
+-- +goose StatementEnd
+
 -- +goose Down
+-- +goose StatementBegin
+-- count_duplicate, version 10.
+CREATE OR REPLACE FUNCTION idem.count_duplicate(p_source text, p_key text, p_month date, p_weight integer,
+                                     p_per_key boolean, p_now timestamptz) RETURNS void
+    LANGUAGE plpgsql VOLATILE
+    SECURITY DEFINER
+    SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    INSERT INTO idem.duplicate_counts AS d (source, slot, duplicates, since, last_seen_at)
+    VALUES (p_source, pg_backend_pid(), p_weight, p_now, p_now)
+    ON CONFLICT (source, slot) DO UPDATE
+       SET duplicates = d.duplicates + EXCLUDED.duplicates, last_seen_at = EXCLUDED.last_seen_at;
+    -- (version 10) and in its minute of idem.activity.
+    PERFORM idem.count_activity(p_source, p_now, 0, p_weight);
+    IF p_per_key THEN
+        UPDATE idem.processed_events e
+           SET duplicates = e.duplicates + p_weight, last_seen_at = p_now
+          FROM (SELECT l.first_seen_month FROM idem.processed_events l
+                 WHERE l.source = p_source AND l.key = p_key AND l.first_seen_month = p_month
+                   FOR UPDATE SKIP LOCKED) l
+         WHERE e.source = p_source AND e.key = p_key AND e.first_seen_month = l.first_seen_month;
+    END IF;
+END
+$$;
+-- +goose StatementEnd
+
 -- +goose StatementBegin
 -- release, version 13.
 CREATE OR REPLACE FUNCTION idem.release(source text, key text) RETURNS bigint
