@@ -40,7 +40,10 @@ func countEvery(t *testing.T, pool *pgxpool.Pool, source string) {
 // cachedClient returns a client with a cache whose listener is up.
 func cachedClient(t *testing.T, pool *pgxpool.Pool) *idem.Client {
 	t.Helper()
-	c := idem.New(pool, &idem.Config{Cache: &idem.CacheConfig{Size: 100, MaxAge: time.Minute}})
+	c, err := idem.New(pool, &idem.Config{Cache: &idem.CacheConfig{Size: 100, MaxAge: time.Minute}})
+	if err != nil {
+		t.Fatal(err)
+	}
 	t.Cleanup(c.Close)
 	return c
 }
@@ -82,7 +85,10 @@ func TestCacheInTx(t *testing.T) {
 		t.Fatal(err)
 	}
 	c := cachedClient(t, pool)
-	plain := idem.New(pool, nil)
+	plain, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	warmCache(t, c, pool, "warm", "k", "")
 	runs := map[string]int{}
 	work := func(key string) func(context.Context) (any, error) {
@@ -217,7 +223,7 @@ func TestCacheRefused(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Close(ctx)
-	if _, err := idem.New(conn, &idem.Config{Cache: &idem.CacheConfig{}}).Claim(ctx, "s", "k"); !errors.Is(err, idem.ErrInvalidConfig) {
+	if _, err := idem.New(conn, &idem.Config{Cache: &idem.CacheConfig{}}); !errors.Is(err, idem.ErrInvalidConfig) {
 		t.Errorf("a cache on a single connection: %v", err)
 	}
 }
@@ -260,7 +266,11 @@ func cacheChild() int {
 		return 1
 	}
 	defer pool.Close()
-	c := idem.New(pool, &idem.Config{Cache: &idem.CacheConfig{MaxAge: time.Minute}})
+	c, err := idem.New(pool, &idem.Config{Cache: &idem.CacheConfig{MaxAge: time.Minute}})
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
 	defer c.Close()
 	in := bufio.NewScanner(os.Stdin)
 	for in.Scan() {
@@ -289,7 +299,10 @@ func TestCacheReleaseAcrossProcesses(t *testing.T) {
 	url := testdb.New(t)
 	pool := testdb.Pool(t, url, 4)
 	countEvery(t, pool, "x")
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	if _, err := c.Do(ctx, "x", "evt_1", func(context.Context) (any, error) { return "done", nil }); err != nil {
 		t.Fatal(err)
 	}
@@ -330,7 +343,7 @@ func TestCacheReleaseAcrossProcesses(t *testing.T) {
 	}
 	var n int64
 	var right string
-	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		if err := tx.QueryRow(ctx, `SELECT idem.release('x', 'evt_1')`).Scan(&n); err != nil {
 			return err
 		}

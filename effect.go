@@ -177,9 +177,6 @@ func (c *Client) Effect(ctx context.Context, name string, fn func(ctx context.Co
 	fail := func(err error) *EffectError {
 		return &EffectError{Name: name, EventSource: ev.Source, EventKey: ev.Key, Err: err}
 	}
-	if c.cfgErr != nil {
-		return nil, fail(c.cfgErr)
-	}
 	if !c.d.concurrent() {
 		return nil, fail(ErrEffectNeedsPool)
 	}

@@ -45,7 +45,10 @@ func TestEffectOncePerEvent(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool := testdb.Pool(t, testdb.New(t), 4)
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	var ran counter
 	var charges []string
 	for run := 1; run <= 4; run++ {
@@ -97,7 +100,10 @@ func TestEffectOncePerEvent(t *testing.T) {
 func TestEffectRaces(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	c := idem.New(testdb.Pool(t, testdb.New(t), 40), nil)
+	c, err := idem.New(testdb.Pool(t, testdb.New(t), 40), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	cl, err := c.Claim(ctx, "shop", "order-7")
 	if err != nil || cl.Outcome != idem.Acquired {
 		t.Fatalf("claim: %+v %v", cl, err)
@@ -169,8 +175,14 @@ func TestEffectAfterCrash(t *testing.T) {
 	ctx := context.Background()
 	url := testdb.New(t)
 	now := time.Now()
-	dead := idem.New(testdb.PoolAt(t, url, 2, now), nil)
-	later := idem.New(testdb.PoolAt(t, url, 2, now.Add(time.Hour)), nil)
+	dead, err := idem.New(testdb.PoolAt(t, url, 2, now), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	later, err := idem.New(testdb.PoolAt(t, url, 2, now.Add(time.Hour)), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 
 	ev, err := dead.Claim(ctx, "stripe", "evt_crash")
 	if err != nil || ev.Outcome != idem.Acquired {
@@ -248,7 +260,10 @@ func TestEffectOutsideTheEventTransaction(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool := testdb.Pool(t, testdb.New(t), 4)
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	var sent counter
 	for run := 1; run <= 2; run++ {
 		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
@@ -287,7 +302,10 @@ func TestEffectOutsideTheEventTransaction(t *testing.T) {
 func TestEffectBadInput(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	c := idem.New(testdb.Pool(t, testdb.New(t), 2), nil)
+	c, err := idem.New(testdb.Pool(t, testdb.New(t), 2), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	ev, err := c.Claim(ctx, "stripe", "evt_bad")
 	if err != nil {
 		t.Fatal(err)
@@ -327,7 +345,10 @@ func TestEffectKeysCannotCollide(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool := testdb.Pool(t, testdb.New(t), 4)
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	longKey := strings.Repeat("k", 510) // "charge/"+key is over 512 bytes: hashed
 	sum := sha256.Sum256([]byte(longKey))
 	lookalike := "sha256:" + hex.EncodeToString(sum[:])

@@ -29,7 +29,7 @@ func TestWait(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { db.Close() })
-	for name, c := range map[string]*idem.Client{"pgx": idem.New(pool, nil), "database/sql": idem.NewSQL(db, nil)} {
+	for name, c := range map[string]*idem.Client{"pgx": testdb.Client(t, pool, nil), "database/sql": testdb.SQLClient(t, db, nil)} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			key := func(k string) string { return name + "/" + k }
@@ -115,7 +115,10 @@ func TestNotifyOnlyWhenWaited(t *testing.T) {
 	ctx := context.Background()
 	url := testdb.New(t)
 	pool := testdb.Pool(t, url, 4)
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	conn, err := pgx.Connect(ctx, url)
 	if err != nil {
 		t.Fatal(err)
@@ -174,7 +177,10 @@ func TestListenerCloses(t *testing.T) {
 		}
 		return n
 	}
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	orig, _ := c.Claim(ctx, "l", "k")
 	done := make(chan struct{})
 	go func() {
@@ -198,7 +204,10 @@ func TestListenerCloses(t *testing.T) {
 		}
 	}
 	// A cache keeps its listener until Close.
-	cc := idem.New(pool, &idem.Config{Cache: &idem.CacheConfig{}})
+	cc, err := idem.New(pool, &idem.Config{Cache: &idem.CacheConfig{}})
+	if err != nil {
+		t.Fatal(err)
+	}
 	_, _ = cc.Claim(ctx, "l", "k")
 	for deadline := time.Now().Add(5 * time.Second); listeners() != 1; time.Sleep(20 * time.Millisecond) {
 		if time.Now().After(deadline) {
@@ -226,7 +235,7 @@ func TestWaitCountedOnce(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { db.Close() })
-	for name, c := range map[string]*idem.Client{"pgx": idem.New(pool, nil), "sql": idem.NewSQL(db, nil)} {
+	for name, c := range map[string]*idem.Client{"pgx": testdb.Client(t, pool, nil), "sql": testdb.SQLClient(t, db, nil)} {
 		source := "once-" + name
 		countEvery(t, pool, source)
 		orig, err := c.Claim(ctx, source, "k")

@@ -69,7 +69,10 @@ func TestAdopt(t *testing.T) {
 
 	// The storm: retries of live legacy events (must never run) and new
 	// events (each must run once), from 8 goroutines, until told to stop.
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	var legacyRuns, newRuns, errs atomic.Int64
 	var ranNew sync.Map
 	stop := make(chan struct{})
@@ -235,7 +238,10 @@ func TestAdoptHostileLegacy(t *testing.T) {
 	}
 	// Claims consult the legacy table while the copy runs: a key the
 	// integer type cannot hold is a new key, not an error.
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	if _, err := pool.Exec(ctx, `SELECT idem.adopt_start('legacy', 'legacy'::regclass, 'id', 'processed_at', 'result', '30 days')`); err != nil {
 		t.Fatal(err)
 	}

@@ -206,7 +206,11 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config, log *slog.Logger) 
 	}
 
 	mail := &stubMailer{failFirst: func(subject string) bool { return pick(subject, 0.05) }}
-	rc := &receiver{pool: pool, idem: idem.New(pool, nil), mail: mail,
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		return nil, err
+	}
+	rc := &receiver{pool: pool, idem: c, mail: mail,
 		slow: func(id string) time.Duration {
 			if pick(id+"slow", cfg.SlowRate) {
 				return cfg.SlowFor
@@ -242,7 +246,11 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config, log *slog.Logger) 
 		if err != nil {
 			return nil, fmt.Errorf("cross-month setup: %w", err)
 		}
-		earlier := &receiver{pool: old, idem: idem.New(old, nil), mail: mail, slow: rc.slow, failOnce: rc.failOnce}
+		oc, err := idem.New(old, nil)
+		if err != nil {
+			return nil, err
+		}
+		earlier := &receiver{pool: old, idem: oc, mail: mail, slow: rc.slow, failOnce: rc.failOnce}
 		eh, err := earlier.handler(demoSecret, answers, log)
 		if err != nil {
 			return nil, err
