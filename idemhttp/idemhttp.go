@@ -385,7 +385,8 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 		}
 		defer done()
 	}
-	opts := []idem.ClaimOption{idem.WithFingerprint(m.cfg.Fingerprint(r, body))}
+	fp := m.cfg.Fingerprint(r, body)
+	var opts []idem.ClaimOption
 	if eventType != "" {
 		opts = append(opts, idem.WithEventType(eventType))
 	}
@@ -404,7 +405,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), m.cfg.HandlerTimeout)
 	defer cancel()
 	var rec *recorder
-	res, err := m.cfg.Client.Do(ctx, m.cfg.Source, key, func(ctx context.Context) (any, error) {
+	work := func(ctx context.Context) (any, error) {
 		rec = newRecorder(m.cfg.MaxResponseBody)
 		m.next.ServeHTTP(rec, r.WithContext(ctx))
 		if !m.cfg.Store(rec.status()) {
@@ -415,7 +416,15 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 				slog.String("source", m.cfg.Source), slog.String("key", key), slog.Int("limit", m.cfg.MaxResponseBody))
 		}
 		return m.stored(rec), nil
-	}, opts...)
+	}
+	res, err := m.cfg.Client.Do(ctx, m.cfg.Source, key, work, append(opts, idem.WithFingerprint(fp))...)
+	if errors.Is(err, idem.ErrMismatch) {
+		// Stored by an earlier version, whose JSONFingerprint kept numbers
+		// as written: the same payload matches that form.
+		if old := legacyFingerprint(m.cfg.Fingerprint, r, body, fp); old != "" {
+			res, err = m.cfg.Client.Do(ctx, m.cfg.Source, key, work, append(opts, idem.WithFingerprint(old))...)
+		}
+	}
 
 	switch {
 	case err == nil && res.Replayed:

@@ -1,6 +1,7 @@
 package idemhttp
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -169,11 +170,16 @@ func joinParts(parts []string) string {
 // (object keys sorted, insignificant white space dropped, numbers by their
 // value: 1, 1.0, 1e0 and 10E-1 are one number, written as the shortest
 // plain decimal, so a sender or proxy that re-serializes numbers is not a
-// mismatch; numbers already written that way fingerprint as before); an
+// mismatch; numbers already written that way fingerprint as before, and on
+// a mismatch the middleware tries the form earlier versions stored); an
 // absent path counts as absent, not as an error. A body that is not JSON
 // is fingerprinted whole.
 func JSONFingerprint(paths ...string) FingerprintFunc {
-	return func(_ *http.Request, body []byte) string {
+	return func(r *http.Request, body []byte) string {
+		canonical := canonicalValue
+		if r != nil && r.Context().Value(legacyFingerprintKey{}) != nil {
+			canonical = asWritten // the fingerprint earlier versions stored
+		}
 		if !gjson.ValidBytes(body) {
 			return idem.Fingerprint(body)
 		}
@@ -185,7 +191,7 @@ func JSONFingerprint(paths ...string) FingerprintFunc {
 				parts = append(parts, []byte{0})
 				continue
 			}
-			c, err := canonicalValue(v.Raw)
+			c, err := canonical(v.Raw)
 			if err != nil {
 				c = []byte(v.Raw)
 			}
@@ -194,6 +200,27 @@ func JSONFingerprint(paths ...string) FingerprintFunc {
 		return idem.Fingerprint(parts...)
 	}
 }
+
+// legacyFingerprintKey, in a request's context, asks JSONFingerprint for
+// the fingerprint versions before numbers were compared by value stored
+// (numbers as written): the middleware claims with it once more when the
+// first claim answers Mismatch and it differs, so that a retry of an event
+// accepted before the upgrade still matches its stored fingerprint.
+type legacyFingerprintKey struct{}
+
+// legacyFingerprint is fp's form before numbers were compared by value,
+// or "" when it is the same (every FingerprintFunc but JSONFingerprint's,
+// and JSONFingerprint's for numbers already in their shortest form).
+func legacyFingerprint(f FingerprintFunc, r *http.Request, body []byte, fp string) string {
+	old := f(r.WithContext(context.WithValue(r.Context(), legacyFingerprintKey{}, true)), body)
+	if old == fp {
+		return ""
+	}
+	return old
+}
+
+// asWritten is idem.Canonical of a JSON value, numbers as written.
+func asWritten(raw string) ([]byte, error) { return idem.Canonical(json.RawMessage(raw)) }
 
 // canonicalValue is idem.Canonical of a JSON value with every number
 // written by canonicalNumber.

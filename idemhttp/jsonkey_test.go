@@ -1,8 +1,10 @@
 package idemhttp_test
 
 import (
+	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"net/http"
 	"net/http/httptest"
@@ -11,6 +13,7 @@ import (
 
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/idemhttp"
+	"github.com/idemkit/idem/internal/testdb"
 )
 
 // TestJSONKey: keys from JSON fields, table-driven: paths that hold a
@@ -229,4 +232,30 @@ func TestJSONFingerprintNumbers(t *testing.T) {
 	if of("4200") != idem.Fingerprint([]byte("n"), []byte("4200")) || fp(r, []byte(`{"n":{"b":1.5,"a":[2]}}`)) != idem.Fingerprint([]byte("n"), []byte(`{"a":[2],"b":1.5}`)) {
 		t.Error("a fingerprint of numbers already in plain form changed")
 	}
+}
+
+// TestJSONFingerprintUpgrade: a key an earlier version completed, with the
+// fingerprint of its numbers as written ("10.50"), is replayed to the
+// retry of the same payload (not answered 422: the event was processed),
+// and a different payload is still a mismatch.
+func TestJSONFingerprintUpgrade(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	runs := 0
+	srv, pool := setup(t, idemhttp.Config{Source: "shop", Key: idemhttp.JSONKey("", "id"), Fingerprint: idemhttp.JSONFingerprint("amount")},
+		http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { runs++; w.Write([]byte("paid\n")) }))
+	c := testdb.Client(t, pool, nil)
+	old := idem.Fingerprint([]byte("amount"), []byte("10.50")) // as an earlier version stored it
+	key := idem.ScopeKey("anonymous", "ord_1")                 // the IETF mode scopes keys per client
+	cl, err := c.Claim(ctx, "shop", key, idem.WithFingerprint(old))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Complete(ctx, "shop", key, cl.Token, json.RawMessage(`{"status":200,"body":"cGFpZAo="}`)); err != nil {
+		t.Fatal(err)
+	}
+	if res := send(t, srv, "POST", "/", `{"id":"ord_1","amount":10.50}`, nil); res.status == 422 || runs != 0 {
+		t.Fatalf("the retry of an event processed before the upgrade: %d, runs %d", res.status, runs)
+	}
+	requireProblem(t, send(t, srv, "POST", "/", `{"id":"ord_1","amount":11}`, nil), 422)
 }
