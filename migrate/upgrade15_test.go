@@ -60,6 +60,17 @@ func TestUpgradeTo15(t *testing.T) {
 			t.Errorf("while copying, key %q: %s, want %s", key, got, want)
 		}
 	}
+	// A varchar(3) key column: the cast of 'abcd' truncates to 'abc', which
+	// is not that key.
+	exec(`CREATE TABLE legacy3 (id varchar(3), processed_at timestamptz)`)
+	exec(`INSERT INTO legacy3 VALUES ('abc', now() - interval '1 day')`)
+	exec(`SELECT idem.adopt_start('trunc', 'legacy3'::regclass, 'id', 'processed_at', ttl => '30 days')`)
+	for key, want := range map[string]string{"abc": "completed", "abcd": "acquired"} {
+		var got string
+		if err := db.QueryRowContext(ctx, `SELECT outcome FROM idem.claim('trunc', $1)`, key).Scan(&got); err != nil || got != want {
+			t.Errorf("varchar(3) key %q: %s %v, want %s", key, got, err, want)
+		}
+	}
 	// The copy: a first batch of NULL keys does not stall it.
 	for i := 0; ; i++ {
 		var done bool

@@ -153,10 +153,11 @@ BEGIN
     -- type (its index), and must then read back as exactly this key, as
     -- the copy writes it: a key the type cannot hold (out of range, not of
     -- its form) is not there, and one the cast would fold into another
-    -- ('01', ' 1' and '1' into integer 1, a case-insensitive type, a
-    -- varchar(n) truncation) is not that row.
+    -- ('01', ' 1' and '1' into integer 1, a case-insensitive type or
+    -- collation, a varchar(n) truncation) is not that row: the text is
+    -- compared byte for byte (COLLATE "C").
     BEGIN
-        EXECUTE format('SELECT %s, %s FROM %s l WHERE l.%I = $1::%s AND %s = $1 ORDER BY 1 DESC NULLS LAST LIMIT 1',
+        EXECUTE format('SELECT %s, %s FROM %s l WHERE l.%I = $1::%s AND (%s) COLLATE "C" = $1 ORDER BY 1 DESC NULLS LAST LIMIT 1',
                        e.at_expr, e.result_expr, a.legacy, a.key_column, e.key_type, e.key_expr)
            INTO v_at, v_res USING adopt_key.key;
     EXCEPTION WHEN data_exception THEN
