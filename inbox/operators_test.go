@@ -150,3 +150,55 @@ func TestDeadLettersReadNoPayload(t *testing.T) {
 		t.Fatalf("listing read %d bytes: the payloads (30 x 512 KiB) were read", got)
 	}
 }
+
+// TestReplayRacesAnotherReplay: a replay lists a dead letter, and another
+// operator's replay of it commits before the first reads its job (forced
+// here: the job table is locked while the other replay's effect, a new job
+// for the hold and the dead job gone, is written). The first replay does
+// not report "payload lost": the event is no longer a dead letter.
+func TestReplayRacesAnotherReplay(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, pool := setup(t)
+	deadLetters(t, pool, "race", 1, []byte(`{"customer":"cus_x"}`))
+	var job int64
+	if err := pool.QueryRow(ctx, `SELECT job_id FROM idem.holds WHERE source = 'race'`).Scan(&job); err != nil {
+		t.Fatal(err)
+	}
+	other, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Rollback(ctx)
+	for _, q := range []string{`LOCK TABLE river_job IN ACCESS EXCLUSIVE MODE`,
+		`UPDATE idem.holds SET state = 'queued', job_id = job_id + 1000, dead_at = NULL WHERE source = 'race'`,
+		`DELETE FROM river_job WHERE id = ` + fmt.Sprint(job)} {
+		if _, err := other.Exec(ctx, q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tool, err := inbox.New(inbox.Config{Pool: pool})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan []inbox.ReplayResult, 1)
+	go func() {
+		res, err := tool.Replay(ctx, inbox.Filter{Source: "race"})
+		if err != nil {
+			t.Error(err)
+		}
+		done <- res
+	}()
+	// The replay has listed the dead letter and waits for the job table.
+	waitFor(t, "the replay to wait for the job table", func() bool {
+		return count(t, pool, `SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'river_job'::regclass`) > 0
+	})
+	if err := other.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range <-done {
+		if r.Outcome == "payload lost" {
+			t.Fatalf("%s reported %q after another replay took it: %s", r.Key, r.Outcome, r.Error)
+		}
+	}
+}
