@@ -155,7 +155,10 @@ func TestBadInputGo(t *testing.T) {
 func TestLongKeyNotEchoed(t *testing.T) {
 	t.Parallel()
 	pool, _ := setup(t)
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	for _, key := range []string{strings.Repeat("k", 600), strings.Repeat("é", 300)} {
 		_, err := c.Claim(context.Background(), "s", key)
 		if !errors.Is(err, idem.ErrInvalidInput) {

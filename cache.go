@@ -30,9 +30,11 @@ const (
 const (
 	cachePing  = 500 * time.Millisecond
 	cacheFresh = 1500 * time.Millisecond
-	// ReleaseGrace is how long after idem.release committed every
-	// process's cache has dropped the key or stopped answering (its
-	// listener not heard from within 1.5 s): idemctl release waits it out
+	// ReleaseGrace is how long after idem.release committed the release
+	// takes effect: the key's retention ends then (migration 15), and by
+	// then every process's cache has dropped the key or stopped answering
+	// (its listener not heard from within 1.5 s). Until then the database
+	// and the caches alike answer Completed. idemctl release waits it out
 	// before it returns.
 	ReleaseGrace = 2 * time.Second
 	// cacheExpiryMargin: an outcome is cached only while its key's
@@ -52,19 +54,26 @@ func (c *CacheConfig) validate() error {
 	return nil
 }
 
-// cache is a bounded LRU of completed claims by key digest (waitKey).
+// cache is a bounded LRU of completed claims. An entry is found by its
+// exact (source, key), JoinKey's unambiguous encoding of the pair, never
+// by a digest: two keys never share an entry. Releases are heard as the
+// digest of idem.wait_channel_key, so entries are also indexed by it, and a
+// release drops every entry with that digest (two keys sharing one only
+// lose their cached answer, which the database gives again).
 type cache struct {
 	size   int
 	maxAge time.Duration
 
-	mu    sync.Mutex
-	lru   *list.List // of *cacheEntry, most recent first
-	byKey map[string]*list.Element
-	gen   uint64 // bumped by every release heard and every listener restart
+	mu       sync.Mutex
+	lru      *list.List // of *cacheEntry, most recent first
+	byKey    map[string]*list.Element
+	byDigest map[string]map[*list.Element]struct{}
+	gen      uint64 // bumped by every release heard and every listener restart
 }
 
 type cacheEntry struct {
-	digest      string
+	id          string // JoinKey(source, key)
+	digest      string // waitKey(source, key), as releases name it
 	fingerprint string
 	claim       Claim
 	until       time.Time // by this process's monotonic clock
@@ -77,22 +86,23 @@ func newCache(cfg CacheConfig) *cache {
 	if cfg.MaxAge == 0 {
 		cfg.MaxAge = DefaultCacheMaxAge
 	}
-	return &cache{size: cfg.Size, maxAge: cfg.MaxAge, lru: list.New(), byKey: map[string]*list.Element{}}
+	return &cache{size: cfg.Size, maxAge: cfg.MaxAge, lru: list.New(), byKey: map[string]*list.Element{},
+		byDigest: map[string]map[*list.Element]struct{}{}}
 }
 
 // get returns a copy of the cached completed claim of (source, key) with
 // that fingerprint, if any and still young.
-func (c *cache) get(digest, fingerprint string) (*Claim, bool) {
+func (c *cache) get(source, key, fingerprint string) (*Claim, bool) {
+	id := JoinKey(source, key)
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	el, ok := c.byKey[digest]
+	el, ok := c.byKey[id]
 	if !ok {
 		return nil, false
 	}
 	e := el.Value.(*cacheEntry)
 	if time.Now().After(e.until) {
-		c.lru.Remove(el)
-		delete(c.byKey, digest)
+		c.removeLocked(el)
 		return nil, false
 	}
 	if e.fingerprint != fingerprint {
@@ -114,8 +124,8 @@ func (c *cache) generation() uint64 {
 	return c.gen
 }
 
-// put caches a completed claim read at generation gen.
-func (c *cache) put(digest, fingerprint string, cl *Claim, gen uint64) {
+// put caches a completed claim of (source, key) read at generation gen.
+func (c *cache) put(source, key, fingerprint string, cl *Claim, gen uint64) {
 	if cl.Outcome != Completed {
 		return
 	}
@@ -123,27 +133,44 @@ func (c *cache) put(digest, fingerprint string, cl *Claim, gen uint64) {
 	if !cl.ExpiresAt.IsZero() && cl.ExpiresAt.Sub(now) < c.maxAge+cacheExpiryMargin {
 		return // near the end of its retention: ask the database
 	}
+	id, digest := JoinKey(source, key), waitKey(source, key)
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if gen != c.gen {
 		return // a release was heard while the claim was read
 	}
-	e := &cacheEntry{digest: digest, fingerprint: fingerprint, claim: *cl, until: now.Add(c.maxAge)}
-	if el, ok := c.byKey[digest]; ok {
+	e := &cacheEntry{id: id, digest: digest, fingerprint: fingerprint, claim: *cl, until: now.Add(c.maxAge)}
+	if el, ok := c.byKey[id]; ok {
 		el.Value = e
 		c.lru.MoveToFront(el)
 		return
 	}
-	c.byKey[digest] = c.lru.PushFront(e)
+	el := c.lru.PushFront(e)
+	c.byKey[id] = el
+	if c.byDigest[digest] == nil {
+		c.byDigest[digest] = map[*list.Element]struct{}{}
+	}
+	c.byDigest[digest][el] = struct{}{}
 	for c.lru.Len() > c.size {
-		old := c.lru.Back()
-		c.lru.Remove(old)
-		delete(c.byKey, old.Value.(*cacheEntry).digest)
+		c.removeLocked(c.lru.Back())
 	}
 }
 
-// drop forgets a released key ("" forgets every key: the listener missed
-// what happened while it was away).
+// removeLocked forgets one entry; c.mu is held.
+func (c *cache) removeLocked(el *list.Element) {
+	e := el.Value.(*cacheEntry)
+	c.lru.Remove(el)
+	delete(c.byKey, e.id)
+	if set := c.byDigest[e.digest]; set != nil {
+		delete(set, el)
+		if len(set) == 0 {
+			delete(c.byDigest, e.digest)
+		}
+	}
+}
+
+// drop forgets the keys whose release digest (waitKey) is digest ("" forgets
+// every key: the listener missed what happened while it was away).
 func (c *cache) drop(digest string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -151,10 +178,10 @@ func (c *cache) drop(digest string) {
 	if digest == "" {
 		c.lru.Init()
 		clear(c.byKey)
+		clear(c.byDigest)
 		return
 	}
-	if el, ok := c.byKey[digest]; ok {
-		c.lru.Remove(el)
-		delete(c.byKey, digest)
+	for el := range c.byDigest[digest] {
+		c.removeLocked(el)
 	}
 }

@@ -40,7 +40,10 @@ func countEvery(t *testing.T, pool *pgxpool.Pool, source string) {
 // cachedClient returns a client with a cache whose listener is up.
 func cachedClient(t *testing.T, pool *pgxpool.Pool) *idem.Client {
 	t.Helper()
-	c := idem.New(pool, &idem.Config{Cache: &idem.CacheConfig{Size: 100, MaxAge: time.Minute}})
+	c, err := idem.New(pool, &idem.Config{Cache: &idem.CacheConfig{Size: 100, MaxAge: time.Minute}})
+	if err != nil {
+		t.Fatal(err)
+	}
 	t.Cleanup(c.Close)
 	return c
 }
@@ -82,7 +85,10 @@ func TestCacheInTx(t *testing.T) {
 		t.Fatal(err)
 	}
 	c := cachedClient(t, pool)
-	plain := idem.New(pool, nil)
+	plain, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	warmCache(t, c, pool, "warm", "k", "")
 	runs := map[string]int{}
 	work := func(key string) func(context.Context) (any, error) {
@@ -217,7 +223,7 @@ func TestCacheRefused(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Close(ctx)
-	if _, err := idem.New(conn, &idem.Config{Cache: &idem.CacheConfig{}}).Claim(ctx, "s", "k"); !errors.Is(err, idem.ErrInvalidConfig) {
+	if _, err := idem.New(conn, &idem.Config{Cache: &idem.CacheConfig{}}); !errors.Is(err, idem.ErrInvalidConfig) {
 		t.Errorf("a cache on a single connection: %v", err)
 	}
 }
@@ -260,7 +266,11 @@ func cacheChild() int {
 		return 1
 	}
 	defer pool.Close()
-	c := idem.New(pool, &idem.Config{Cache: &idem.CacheConfig{MaxAge: time.Minute}})
+	c, err := idem.New(pool, &idem.Config{Cache: &idem.CacheConfig{MaxAge: time.Minute}})
+	if err != nil {
+		fmt.Println("error", err)
+		return 1
+	}
 	defer c.Close()
 	in := bufio.NewScanner(os.Stdin)
 	for in.Scan() {
@@ -276,16 +286,23 @@ func cacheChild() int {
 }
 
 // TestCacheReleaseAcrossProcesses: another process caches a completed key;
-// idem.release in this one, and ReleaseGrace later that process answers
-// the key from the database (acquired: the work runs again), never from
-// its cache.
+// idem.release in this one. The release takes effect at one moment for
+// the database and every cache: right after it the database still answers
+// completed, as the other process's cache may (before, the database
+// answered acquired while that cache answered completed: 30 of 50
+// immediate re-deliveries in one trial); ReleaseGrace later that process
+// answers the key from the database (acquired: the work runs again),
+// never from its cache.
 func TestCacheReleaseAcrossProcesses(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	url := testdb.New(t)
 	pool := testdb.Pool(t, url, 4)
 	countEvery(t, pool, "x")
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	if _, err := c.Do(ctx, "x", "evt_1", func(context.Context) (any, error) { return "done", nil }); err != nil {
 		t.Fatal(err)
 	}
@@ -325,8 +342,16 @@ func TestCacheReleaseAcrossProcesses(t *testing.T) {
 		time.Sleep(100 * time.Millisecond)
 	}
 	var n int64
-	if err := pool.QueryRow(ctx, `SELECT idem.release('x', 'evt_1')`).Scan(&n); err != nil || n != 1 {
-		t.Fatalf("release: %d %v", n, err)
+	var right string
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		if err := tx.QueryRow(ctx, `SELECT idem.release('x', 'evt_1')`).Scan(&n); err != nil {
+			return err
+		}
+		// The moment after the release, by the database's clock.
+		return tx.QueryRow(ctx, `SELECT outcome FROM idem.claim('x', 'evt_1')`).Scan(&right)
+	})
+	if err != nil || n != 1 || right != "completed" {
+		t.Fatalf("release: %d %v; the database answered %q right after it, want completed as a cache may", n, err, right)
 	}
 	time.Sleep(idem.ReleaseGrace)
 	if o := claim("evt_1"); o != "acquired" {
@@ -335,7 +360,8 @@ func TestCacheReleaseAcrossProcesses(t *testing.T) {
 }
 
 // TestRelease: idem.release refuses a key in progress under a live lease
-// (ID004); releases a completed key, which runs again.
+// (ID004); releases a completed key, which runs again once the release
+// has taken effect (ReleaseGrace).
 func TestRelease(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -352,6 +378,7 @@ func TestRelease(t *testing.T) {
 	if _, err := pool.Exec(ctx, `SELECT idem.release('r', 'done')`); err != nil {
 		t.Fatal(err)
 	}
+	time.Sleep(idem.ReleaseGrace) // when a release takes effect
 	_, _ = c.Do(ctx, "r", "done", work)
 	if runs != 2 {
 		t.Fatalf("runs %d, want 2 (released in between)", runs)
@@ -396,5 +423,28 @@ func TestCacheListenerKilled(t *testing.T) {
 		if time.Now().After(deadline) {
 			t.Fatal("the cache did not come back after the listener reconnected")
 		}
+	}
+}
+
+// TestCacheKeysCannotCollide: the cache finds an entry by the exact
+// (source, key), not by a digest of source+"\x1f"+key: a completed key of
+// source "a\x1fb" cached, the never-seen key "b\x1fc" of source "a" (the
+// same string once joined with \x1f) is acquired, never answered with the
+// other key's result. A release of one drops only what its digest names.
+func TestCacheKeysCannotCollide(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t, testdb.New(t), 4)
+	countEvery(t, pool, "a\x1fb")
+	c := cachedClient(t, pool)
+	warmCache(t, c, pool, "a\x1fb", "c", "")
+	for range 3 { // the listener is up: these fill the cache
+		if cl, err := c.Claim(ctx, "a\x1fb", "c"); err != nil || cl.Outcome != idem.Completed {
+			t.Fatalf("%+v %v", cl, err)
+		}
+	}
+	cl, err := c.Claim(ctx, "a", "b\x1fc")
+	if err != nil || cl.Outcome != idem.Acquired {
+		t.Fatalf("a never-seen key answered %+v %v (the cache confused it with another source's key)", cl, err)
 	}
 }

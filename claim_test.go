@@ -16,7 +16,7 @@ import (
 func setup(t *testing.T) (*pgxpool.Pool, *idem.Client) {
 	t.Helper()
 	pool := testdb.Pool(t, testdb.New(t), 0)
-	return pool, idem.New(pool, nil)
+	return pool, testdb.Client(t, pool, nil)
 }
 
 func TestClaimLifecycle(t *testing.T) {

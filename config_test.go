@@ -8,10 +8,15 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/idemkit/idem"
 )
 
+// TestConfigValidate: a Config out of range is refused by New and NewSQL
+// (ErrInvalidConfig, naming the field), as is a nil database or a Cache
+// where no listener can run; valid ones work.
 func TestConfigValidate(t *testing.T) {
 	t.Parallel()
 	pool, _ := setup(t)
@@ -27,17 +32,30 @@ func TestConfigValidate(t *testing.T) {
 			if err := cfg.Validate(); !errors.Is(err, idem.ErrInvalidConfig) {
 				t.Fatalf("Validate: %v, want ErrInvalidConfig", err)
 			}
-			c := idem.New(pool, &cfg)
-			if _, err := c.Claim(ctx, "cfg", "k"); !errors.Is(err, idem.ErrInvalidConfig) {
-				t.Fatalf("Claim: %v, want ErrInvalidConfig", err)
+			// Refused at construction, by both constructors: no Client
+			// to fail at its first claim in production.
+			if c, err := idem.New(pool, &cfg); !errors.Is(err, idem.ErrInvalidConfig) || c != nil {
+				t.Fatalf("New: %v %v, want ErrInvalidConfig and no Client", c, err)
 			}
-			if _, err := c.Do(ctx, "cfg", "k", func(context.Context) (any, error) {
-				t.Fatal("the work ran with an invalid config")
-				return nil, nil
-			}); !errors.Is(err, idem.ErrInvalidConfig) {
-				t.Fatalf("Do: %v, want ErrInvalidConfig", err)
+			if c, err := idem.NewSQL(stdlib.OpenDBFromPool(pool), &cfg); !errors.Is(err, idem.ErrInvalidConfig) || c != nil {
+				t.Fatalf("NewSQL: %v %v, want ErrInvalidConfig and no Client", c, err)
 			}
 		})
+	}
+	var nilPool *pgxpool.Pool
+	for name, err := range map[string]error{
+		"nil database": func() error { _, err := idem.New(nil, nil); return err }(),
+		"nil pool":     func() error { _, err := idem.New(nilPool, nil); return err }(),
+		"nil sql.DB":   func() error { _, err := idem.NewSQL(nil, nil); return err }(),
+		"cache over database/sql": func() error {
+			_, err := idem.NewSQL(stdlib.OpenDBFromPool(pool), &idem.Config{Cache: &idem.CacheConfig{}})
+			return err
+		}(),
+		"cache size out of range": func() error { _, err := idem.New(pool, &idem.Config{Cache: &idem.CacheConfig{Size: -1}}); return err }(),
+	} {
+		if !errors.Is(err, idem.ErrInvalidConfig) {
+			t.Errorf("%s: %v, want ErrInvalidConfig", name, err)
+		}
 	}
 	for name, cfg := range map[string]*idem.Config{
 		"nil":                     nil,
@@ -52,7 +70,10 @@ func TestConfigValidate(t *testing.T) {
 			if err := cfg.Validate(); err != nil {
 				t.Fatal(err)
 			}
-			c := idem.New(pool, cfg)
+			c, err := idem.New(pool, cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
 			res, err := c.Do(ctx, "cfg", "valid-"+name, func(context.Context) (any, error) { return map[string]int{"ok": 1}, nil })
 			if err != nil || string(res.Result) != `{"ok": 1}` {
 				t.Fatalf("Do: %+v %v", res, err)

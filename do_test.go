@@ -22,7 +22,10 @@ func TestDoRunsOncePerKeyUnderRace(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t, testdb.New(t), raceConns)
 	warm(t, pool)
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	const keys = 300
 	var runs sync.Map
 	storm(t, keys, func(ctx context.Context, _ int, d delivery) error {
@@ -170,7 +173,10 @@ func TestDatabaseSQL(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer db.Close()
-	c := idem.NewSQL(db, nil)
+	c, err := idem.NewSQL(db, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	cl, err := c.Claim(ctx, "stripe", "evt_sql", idem.WithTTL(72*time.Hour), idem.WithEventType("invoice.paid"))
 	if err != nil || cl.Outcome != idem.Acquired || cl.LeaseExpiresAt.IsZero() || cl.Result != nil {
 		t.Fatalf("claim: %+v %v", cl, err)
@@ -267,7 +273,10 @@ func TestDoSameBytes(t *testing.T) {
 	ctx := context.Background()
 	url := testdb.New(t)
 	pool := testdb.Pool(t, url, 4)
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	db, err := sql.Open("pgx", url)
 	if err != nil {
 		t.Fatal(err)
@@ -292,13 +301,23 @@ func TestDoSameBytes(t *testing.T) {
 			}
 			return c.WithTx(tx), func() { _ = tx.Commit(ctx) }
 		},
-		"sql.DB": func(*testing.T) (*idem.Client, func()) { return idem.NewSQL(db, nil), func() {} },
+		"sql.DB": func(t *testing.T) (*idem.Client, func()) {
+			c, err := idem.NewSQL(db, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return c, func() {}
+		},
 		"sql.Tx": func(t *testing.T) (*idem.Client, func()) {
 			tx, err := db.BeginTx(ctx, nil)
 			if err != nil {
 				t.Fatal(err)
 			}
-			return idem.NewSQL(db, nil).WithSQLTx(tx), func() { _ = tx.Commit() }
+			c, err := idem.NewSQL(db, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return c.WithSQLTx(tx), func() { _ = tx.Commit() }
 		},
 	}
 	for mode, open := range modes {

@@ -48,6 +48,10 @@ type claimArgs struct {
 // query packages; each method is one protocol call.
 type driver interface {
 	claim(ctx context.Context, a claimArgs) (*Claim, error)
+	// claimUncounted is claim, in a transaction of its own that tells
+	// idem.count_duplicate not to count (idem.uncounted): a waiting
+	// duplicate's claim after its wait, already counted by its first.
+	claimUncounted(ctx context.Context, a claimArgs) (*Claim, error)
 	// complete completes the key; with echo (and a result) it also returns
 	// the result as stored, in jsonb's text form.
 	complete(ctx context.Context, source, key string, token int64, result []byte, echo bool) (outcome string, stored []byte, err error)
@@ -94,13 +98,18 @@ func strPtr(s string) *string {
 }
 
 type pgxDriver struct {
-	q  *pgxdb.Queries
-	db PgxExecutor
+	q    *pgxdb.Queries
+	db   PgxExecutor
+	mode *execMode
 }
 
 func newPgxDriver(db PgxExecutor, mode *execMode) pgxDriver {
-	return pgxDriver{q: pgxdb.New(modeExecutor{db: db, mode: mode}), db: db}
+	return pgxDriver{q: pgxdb.New(modeExecutor{db: db, mode: mode}), db: db, mode: mode}
 }
+
+// uncounted is the statement that marks a transaction's claims as not to
+// be counted as duplicates (migration 15's idem.count_duplicate).
+const uncounted = `SELECT pg_catalog.set_config('idem.uncounted', 'on', true)`
 
 // execMode is the pgx query execution mode of a Client's protocol
 // statements, shared by the clients WithTx derives from it. Zero (adaptive)
@@ -220,6 +229,30 @@ func (d pgxDriver) claim(ctx context.Context, a claimArgs) (*Claim, error) {
 	}, nil
 }
 
+func (d pgxDriver) claimUncounted(ctx context.Context, a claimArgs) (*Claim, error) {
+	b, ok := d.db.(interface {
+		Begin(ctx context.Context) (pgx.Tx, error)
+	})
+	if !ok {
+		return d.claim(ctx, a)
+	}
+	var cl *Claim
+	run := func(tx pgx.Tx) (err error) {
+		if _, err = (modeExecutor{db: tx, mode: d.mode}).Exec(ctx, uncounted); err != nil {
+			return err
+		}
+		cl, err = newPgxDriver(tx, d.mode).claim(ctx, a)
+		return err
+	}
+	err := pgx.BeginFunc(ctx, b, run)
+	if err != nil && d.mode.adapt(err) {
+		// A pooler refused a prepared statement: the transaction is gone,
+		// and the client now runs in exec mode; once more.
+		err = pgx.BeginFunc(ctx, b, run)
+	}
+	return cl, err
+}
+
 func (d pgxDriver) complete(ctx context.Context, source, key string, token int64, result []byte, echo bool) (string, []byte, error) {
 	// The result travels as text: a []byte parameter is bytea to PostgreSQL
 	// when pgx does not describe the statement first (exec and simple
@@ -304,6 +337,29 @@ func (d sqlDriver) claim(ctx context.Context, a claimArgs) (*Claim, error) {
 		c.Result = row.Result.RawMessage
 	}
 	return c, nil
+}
+
+func (d sqlDriver) claimUncounted(ctx context.Context, a claimArgs) (cl *Claim, err error) {
+	db, ok := d.db.(*sql.DB)
+	if !ok {
+		return d.claim(ctx, a)
+	}
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		if err != nil {
+			_ = tx.Rollback()
+		}
+	}()
+	if _, err = tx.ExecContext(ctx, uncounted); err != nil {
+		return nil, err
+	}
+	if cl, err = (sqlDriver{q: sqldb.New(tx), db: tx}).claim(ctx, a); err != nil {
+		return nil, err
+	}
+	return cl, tx.Commit()
 }
 
 func (d sqlDriver) complete(ctx context.Context, source, key string, token int64, result []byte, echo bool) (string, []byte, error) {

@@ -177,9 +177,6 @@ func (c *Client) Effect(ctx context.Context, name string, fn func(ctx context.Co
 	fail := func(err error) *EffectError {
 		return &EffectError{Name: name, EventSource: ev.Source, EventKey: ev.Key, Err: err}
 	}
-	if c.cfgErr != nil {
-		return nil, fail(c.cfgErr)
-	}
 	if !c.d.concurrent() {
 		return nil, fail(ErrEffectNeedsPool)
 	}
@@ -237,9 +234,13 @@ func (c *Client) Effect(ctx context.Context, name string, fn func(ctx context.Co
 }
 
 // EffectKey returns the key of the effect name of the event (source, key):
-// source+EffectsSuffix, and name+"/"+key (name+"/sha256:"+hex digest of
-// key when that would exceed idem's 512 bytes). Names are 1 to 64 bytes of
-// ASCII letters, digits and "_.:-". It is exported for queries and
+// source+EffectsSuffix, and name+"/"+key, except that a key which would
+// make that longer than idem's 512 bytes, or which has the hashed form's
+// own shape ("sha256:" and 64 lowercase hex digits), is replaced by
+// "sha256:" and the hex SHA-256 of the key. So a hashed effect key can
+// never equal a plain one: the plain form of a key shaped like a digest is
+// itself hashed. Names are 1 to 64 bytes of ASCII letters, digits and
+// "_.:-" (no "/", which ends the name). It is exported for queries and
 // tooling; Effect derives it by itself.
 func EffectKey(source, key, name string) (effectSource, effectKey string, err error) {
 	if err := checkEffectName(name); err != nil {
@@ -255,11 +256,28 @@ func EffectKey(source, key, name string) (effectSource, effectKey string, err er
 				len(source), 64-len(EffectsSuffix), effectSource)}
 	}
 	effectKey = name + "/" + key
-	if len(effectKey) > 512 {
+	if len(effectKey) > 512 || digestShaped(key) {
 		sum := sha256.Sum256([]byte(key))
-		effectKey = name + "/sha256:" + hex.EncodeToString(sum[:])
+		effectKey = name + "/" + digestPrefix + hex.EncodeToString(sum[:])
 	}
 	return effectSource, effectKey, nil
+}
+
+// digestPrefix starts a hashed effect key's part after the name.
+const digestPrefix = "sha256:"
+
+// digestShaped: s has the shape of a hashed key part (digestPrefix and 64
+// lowercase hex digits).
+func digestShaped(s string) bool {
+	if len(s) != len(digestPrefix)+64 || s[:len(digestPrefix)] != digestPrefix {
+		return false
+	}
+	for i := len(digestPrefix); i < len(s); i++ {
+		if c := s[i]; !(c >= '0' && c <= '9' || c >= 'a' && c <= 'f') {
+			return false
+		}
+	}
+	return true
 }
 
 func checkEffectName(name string) error {

@@ -2,6 +2,8 @@ package idem_test
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"strings"
 	"sync"
@@ -43,7 +45,10 @@ func TestEffectOncePerEvent(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool := testdb.Pool(t, testdb.New(t), 4)
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	var ran counter
 	var charges []string
 	for run := 1; run <= 4; run++ {
@@ -95,7 +100,10 @@ func TestEffectOncePerEvent(t *testing.T) {
 func TestEffectRaces(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	c := idem.New(testdb.Pool(t, testdb.New(t), 40), nil)
+	c, err := idem.New(testdb.Pool(t, testdb.New(t), 40), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	cl, err := c.Claim(ctx, "shop", "order-7")
 	if err != nil || cl.Outcome != idem.Acquired {
 		t.Fatalf("claim: %+v %v", cl, err)
@@ -167,8 +175,14 @@ func TestEffectAfterCrash(t *testing.T) {
 	ctx := context.Background()
 	url := testdb.New(t)
 	now := time.Now()
-	dead := idem.New(testdb.PoolAt(t, url, 2, now), nil)
-	later := idem.New(testdb.PoolAt(t, url, 2, now.Add(time.Hour)), nil)
+	dead, err := idem.New(testdb.PoolAt(t, url, 2, now), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	later, err := idem.New(testdb.PoolAt(t, url, 2, now.Add(time.Hour)), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 
 	ev, err := dead.Claim(ctx, "stripe", "evt_crash")
 	if err != nil || ev.Outcome != idem.Acquired {
@@ -246,7 +260,10 @@ func TestEffectOutsideTheEventTransaction(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool := testdb.Pool(t, testdb.New(t), 4)
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	var sent counter
 	for run := 1; run <= 2; run++ {
 		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
@@ -285,7 +302,10 @@ func TestEffectOutsideTheEventTransaction(t *testing.T) {
 func TestEffectBadInput(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	c := idem.New(testdb.Pool(t, testdb.New(t), 2), nil)
+	c, err := idem.New(testdb.Pool(t, testdb.New(t), 2), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	ev, err := c.Claim(ctx, "stripe", "evt_bad")
 	if err != nil {
 		t.Fatal(err)
@@ -313,5 +333,43 @@ func TestEffectBadInput(t *testing.T) {
 	other, _, _ := idem.EffectKey("stripe", longKey[:511]+"j", "mail")
 	if other == key {
 		t.Fatal("two long keys share an effect key")
+	}
+}
+
+// TestEffectKeysCannotCollide: the hashed effect key of a long event key
+// is the plain form of no other event's key. An event keyed
+// "sha256:<hex of the long key's SHA-256>" (a valid 71-byte key) has an
+// effect of its own: it runs, and is not answered with the other event's
+// result.
+func TestEffectKeysCannotCollide(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t, testdb.New(t), 4)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	longKey := strings.Repeat("k", 510) // "charge/"+key is over 512 bytes: hashed
+	sum := sha256.Sum256([]byte(longKey))
+	lookalike := "sha256:" + hex.EncodeToString(sum[:])
+	var charges []string
+	for _, key := range []string{longKey, lookalike} {
+		_, err := c.Do(ctx, "stripe", key, func(ctx context.Context) (any, error) {
+			return c.Effect(ctx, "charge", func(context.Context) (any, error) {
+				charges = append(charges, key[:10])
+				return key[:10], nil
+			})
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if len(charges) != 2 {
+		t.Fatalf("charges run: %q, want one per event", charges)
+	}
+	_, a, _ := idem.EffectKey("stripe", longKey, "charge")
+	_, b, _ := idem.EffectKey("stripe", lookalike, "charge")
+	if a == b {
+		t.Fatalf("two events share the effect key %q", a)
 	}
 }

@@ -17,7 +17,10 @@ func ExampleClient_Do() {
 	ctx := context.Background()
 	pool, done := testdb.ExamplePool()
 	defer done()
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
 
 	for delivery := 1; delivery <= 3; delivery++ {
 		res, err := c.Do(ctx, "stripe", "evt_1NG8Du2eZvKYlo2C", func(ctx context.Context) (any, error) {
@@ -42,7 +45,10 @@ func ExampleDoValue() {
 	ctx := context.Background()
 	pool, done := testdb.ExamplePool()
 	defer done()
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
 
 	type booking struct {
 		Invoice string `json:"invoice"`
@@ -70,7 +76,10 @@ func ExampleClient_Claim() {
 	ctx := context.Background()
 	pool, done := testdb.ExamplePool()
 	defer done()
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
 
 	first, _ := c.Claim(ctx, "github", "72d3162e-cc78-11e3-81ab-4c9367dc0958", idem.WithLease(30*time.Second))
 	fmt.Println("first delivery:", first.Outcome, "attempt", first.Attempt)
@@ -84,7 +93,7 @@ func ExampleClient_Claim() {
 
 	// The first worker's token is spent; it cannot complete twice with
 	// another result, and a stranger's token is refused.
-	err := c.Complete(ctx, "github", "72d3162e-cc78-11e3-81ab-4c9367dc0958", first.Token+1, nil)
+	err = c.Complete(ctx, "github", "72d3162e-cc78-11e3-81ab-4c9367dc0958", first.Token+1, nil)
 	fmt.Println("complete with a stale token:", errors.Is(err, idem.ErrStaleToken))
 	// Output:
 	// first delivery: acquired attempt 1
@@ -102,7 +111,10 @@ func ExampleClient_WithTx() {
 	if _, err := pool.Exec(ctx, `CREATE TABLE payments (event_id text PRIMARY KEY, amount int)`); err != nil {
 		log.Fatal(err)
 	}
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
 
 	handle := func(eventID string, amount int) error {
 		tx, err := pool.Begin(ctx)
@@ -154,7 +166,10 @@ func ExampleClient_Effect() {
 	ctx := context.Background()
 	pool, done := testdb.ExamplePool()
 	defer done()
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
 
 	for run := 1; run <= 3; run++ {
 		_, err := c.Do(ctx, "stripe", "evt_1Q", func(ctx context.Context) (any, error) {
@@ -195,7 +210,10 @@ func ExampleEffect_OutboundKey() {
 	ctx := context.Background()
 	pool, done := testdb.ExamplePool()
 	defer done()
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
 
 	ev, err := c.Claim(ctx, "stripe", "evt_1Q")
 	if err != nil {

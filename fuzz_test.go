@@ -17,7 +17,7 @@ func FuzzClaimInput(f *testing.F) {
 		f.Add(s[0], s[1])
 	}
 	pool := testdb.Pool(f, testdb.New(f), 4)
-	c := idem.New(pool, nil)
+	c := testdb.Client(f, pool, nil)
 	ctx := context.Background()
 	f.Fuzz(func(t *testing.T, source, key string) {
 		cl, err := c.Claim(ctx, source, key)

@@ -8,7 +8,10 @@
 // (claim inside your own transaction for exactly-once database effects) and,
 // through database/sql, a *sql.DB or *sql.Tx.
 //
-//	c := idem.New(pool, nil)
+//	c, err := idem.New(pool, nil)
+//	if err != nil {
+//		return err
+//	}
 //	res, err := c.Do(ctx, "stripe", event.ID, func(ctx context.Context) (any, error) {
 //		return chargeCustomer(ctx, event)
 //	})
@@ -22,6 +25,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"reflect"
 	"strings"
 	"time"
 	"unicode/utf8"
@@ -118,8 +122,9 @@ type Config struct {
 	// idem.release (idemctl release) is heard by every process: the client
 	// listens on channel idem_released on one connection of its own, and
 	// the cache answers only while that listener was heard from within
-	// 1.5 s (it pings when quiet), so once idemctl release has returned
-	// (ReleaseGrace after the commit) no cache answers for the key. Where
+	// 1.5 s (it pings when quiet); a release takes effect ReleaseGrace
+	// after its commit, in the database and every cache at once, so once
+	// idemctl release has returned no cache answers for the key. Where
 	// LISTEN gets nothing (a transaction pooler), the cache never answers.
 	// Rows deleted by hand are not heard: use idem.release. New only, over
 	// a *pgxpool.Pool; call Client.Close to stop the listener. Clients
@@ -136,9 +141,8 @@ const (
 	DefaultRecordTimeout     = 30 * time.Second
 )
 
-// ErrInvalidConfig: a Config field is out of range. New and NewSQL return
-// a Client whose every call returns this error (wrapped, naming the field);
-// check Config.Validate first to fail at start-up.
+// ErrInvalidConfig: New or NewSQL was given no database, or a Config field
+// out of range (wrapped, naming the field): they return it, and no Client.
 var ErrInvalidConfig = errors.New("idem: invalid config")
 
 // Validate reports a Config field out of range, as ErrInvalidConfig.
@@ -165,41 +169,65 @@ func (c *Config) Validate() error {
 // Client runs the protocol on one executor: a pool, a connection or a
 // transaction. It is cheap; create one per transaction with WithTx.
 type Client struct {
-	d      driver
-	cfg    Config
-	cfgErr error
-	mode   *execMode      // pgx clients: shared with the clients WithTx derives
-	wait   *time.Duration // Config.LockWait as claim's lock_wait: nil for the database's default
-	hub    *hub           // pgx pool clients: the waiters' and the cache's listener
-	cache  *cache         // Config.Cache, on a pool client and the clients WithTx derives
-	inTx   bool           // derived by WithTx: reads the cache, puts only what another transaction committed
+	d     driver
+	cfg   Config
+	mode  *execMode      // pgx clients: shared with the clients WithTx derives
+	wait  *time.Duration // Config.LockWait as claim's lock_wait: nil for the database's default
+	hub   *hub           // pgx pool clients: the waiters' and the cache's listener
+	cache *cache         // Config.Cache, on a pool client and the clients WithTx derives
+	inTx  bool           // derived by WithTx: reads the cache, puts only what another transaction committed
 }
 
-// New returns a Client over a pgx pool, connection or transaction.
-func New(db PgxExecutor, cfg *Config) *Client {
+// New returns a Client over a pgx pool, connection or transaction. It
+// validates cfg (Config.Validate) and returns ErrInvalidConfig, naming
+// the field, for a configuration it cannot run with: bad configuration
+// fails at start-up, not at the first claim.
+func New(db PgxExecutor, cfg *Config) (*Client, error) {
+	if isNil(db) {
+		return nil, fmt.Errorf("%w: New needs a database (a *pgxpool.Pool, *pgx.Conn or pgx.Tx), got nil", ErrInvalidConfig)
+	}
 	c, err := defaults(cfg)
+	if err != nil {
+		return nil, err
+	}
 	mode := &execMode{fixed: c.QueryExecMode, log: c.Logger}
-	cl := &Client{d: newPgxDriver(db, mode), cfg: c, cfgErr: err, mode: mode, wait: lockWait(c.LockWait)}
+	cl := &Client{d: newPgxDriver(db, mode), cfg: c, mode: mode, wait: lockWait(c.LockWait)}
 	pool, ok := db.(*pgxpool.Pool)
 	switch {
-	case ok && c.Cache != nil && err == nil:
+	case ok && c.Cache != nil:
 		cl.cache = newCache(*c.Cache)
 		cl.hub = newHub(pool, c.Logger, cl.cache)
 	case ok:
 		cl.hub = newHub(pool, c.Logger, nil)
-	case c.Cache != nil && err == nil:
-		cl.cfgErr = fmt.Errorf("%w: Cache needs a client over a *pgxpool.Pool (it listens for releases on a connection of its own)", ErrInvalidConfig)
+	case c.Cache != nil:
+		return nil, fmt.Errorf("%w: Cache needs a client over a *pgxpool.Pool (it listens for releases on a connection of its own)", ErrInvalidConfig)
 	}
-	return cl
+	return cl, nil
 }
 
-// NewSQL returns a Client over database/sql: a *sql.DB, *sql.Conn or *sql.Tx.
-func NewSQL(db SQLExecutor, cfg *Config) *Client {
-	c, err := defaults(cfg)
-	if err == nil && c.Cache != nil {
-		err = fmt.Errorf("%w: Cache needs a client over a *pgxpool.Pool (New): it listens for releases, which database/sql cannot", ErrInvalidConfig)
+// NewSQL returns a Client over database/sql: a *sql.DB, *sql.Conn or
+// *sql.Tx. It validates cfg as New does.
+func NewSQL(db SQLExecutor, cfg *Config) (*Client, error) {
+	if isNil(db) {
+		return nil, fmt.Errorf("%w: NewSQL needs a database (a *sql.DB, *sql.Conn or *sql.Tx), got nil", ErrInvalidConfig)
 	}
-	return &Client{d: sqlDriver{q: sqldb.New(db), db: db}, cfg: c, cfgErr: err, wait: lockWait(c.LockWait)}
+	c, err := defaults(cfg)
+	if err != nil {
+		return nil, err
+	}
+	if c.Cache != nil {
+		return nil, fmt.Errorf("%w: Cache needs a client over a *pgxpool.Pool (New): it listens for releases, which database/sql cannot", ErrInvalidConfig)
+	}
+	return &Client{d: sqlDriver{q: sqldb.New(db), db: db}, cfg: c, wait: lockWait(c.LockWait)}, nil
+}
+
+// isNil: v is nil, or an interface holding a nil pointer.
+func isNil(v any) bool {
+	if v == nil {
+		return true
+	}
+	rv := reflect.ValueOf(v)
+	return rv.Kind() == reflect.Pointer && rv.IsNil()
 }
 
 // lockWait turns Config.LockWait into claim's lock_wait: 0 is the
@@ -259,13 +287,13 @@ func (c *Client) WithTx(tx pgx.Tx) *Client {
 	if mode == nil { // a database/sql client: tx's own mode
 		mode = &execMode{fixed: c.cfg.QueryExecMode, log: c.cfg.Logger}
 	}
-	return &Client{d: newPgxDriver(tx, mode), cfg: c.cfg, cfgErr: c.cfgErr, mode: mode, wait: c.wait,
+	return &Client{d: newPgxDriver(tx, mode), cfg: c.cfg, mode: mode, wait: c.wait,
 		hub: c.hub, cache: c.cache, inTx: true}
 }
 
 // WithSQLTx is WithTx for database/sql.
 func (c *Client) WithSQLTx(tx *sql.Tx) *Client {
-	return &Client{d: sqlDriver{q: sqldb.New(tx), db: tx}, cfg: c.cfg, cfgErr: c.cfgErr, wait: c.wait}
+	return &Client{d: sqlDriver{q: sqldb.New(tx), db: tx}, cfg: c.cfg, wait: c.wait}
 }
 
 // ClaimOption adjusts one claim.
@@ -315,12 +343,10 @@ func (c *Client) claim(ctx context.Context, source, key string, opts []ClaimOpti
 	if err := c.checkWait(&a); err != nil {
 		return nil, err
 	}
-	var digest string
 	var gen uint64
 	cached := c.cache != nil && c.hub.fresh()
 	if cached {
-		digest = waitKey(source, key)
-		if cl, ok := c.cache.get(digest, a.fingerprint); ok {
+		if cl, ok := c.cache.get(source, key, a.fingerprint); ok {
 			return cl, nil
 		}
 		gen = c.cache.generation()
@@ -342,7 +368,7 @@ func (c *Client) claim(ctx context.Context, source, key string, opts []ClaimOpti
 			}
 		}
 		if ok {
-			c.cache.put(digest, a.fingerprint, cl, gen)
+			c.cache.put(source, key, a.fingerprint, cl, gen)
 		}
 	}
 	if cl.Outcome == InProgress && a.wait > 0 {
@@ -419,12 +445,8 @@ func (c *Client) Extend(ctx context.Context, source, key string, token int64, le
 	return until, outcomeErr("extend", source, key, out)
 }
 
-// check is every operation's preamble: an invalid Config, then what
-// PostgreSQL text cannot hold.
+// check is every operation's preamble: what PostgreSQL text cannot hold.
 func (c *Client) check(op, source, key string, more ...string) error {
-	if c.cfgErr != nil {
-		return c.cfgErr
-	}
 	return checkText(op, source, key, more...)
 }
 

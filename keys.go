@@ -87,3 +87,50 @@ func Canonical(v any) ([]byte, error) {
 	}
 	return bytes.TrimRight(buf.Bytes(), "\n"), nil
 }
+
+// JoinKey builds a key from several parts so that no other list of parts
+// gives the same key: each part is escaped (a backslash becomes `\\`, a
+// colon `\:`) and the parts are joined with ":". Parts that hold neither a
+// colon nor a backslash are kept as they are, so JoinKey("orders", "42")
+// is "orders:42", as a plain join gives; ("a:b", "c") is `a\:b:c` and
+// ("a", "b:c") is `a:b\:c`. It is the one encoding of idem's composite
+// keys (idemhttp.JSONKey and idemhttp.Compose with several parts, the
+// cache's (source, key)); docs/reliability.md lists every composite key
+// idem builds and why each is unambiguous.
+func JoinKey(first string, rest ...string) string {
+	n := len(first)
+	for _, p := range rest {
+		n += 1 + len(p)
+	}
+	b := make([]byte, 0, n+4)
+	b = appendKeyPart(b, first, ':')
+	for _, p := range rest {
+		b = appendKeyPart(append(b, ':'), p, ':')
+	}
+	return string(b)
+}
+
+// appendKeyPart appends part escaped for a join with sep: sep and the
+// backslash are preceded by a backslash, so the first unescaped sep ends
+// the part.
+func appendKeyPart(b []byte, part string, sep byte) []byte {
+	for i := 0; i < len(part); i++ {
+		if ch := part[i]; ch == '\\' || ch == sep {
+			b = append(b, '\\')
+		}
+		b = append(b, part[i])
+	}
+	return b
+}
+
+// ScopeKey prefixes key with the scope it belongs to (idemhttp's
+// Config.Scope), joined with "|": a scope that holds neither "|" nor a
+// backslash (CredentialsScope's, or any tenant id without them) is kept as
+// it is, as before; one that does is escaped (JoinKey's rule with "|" as
+// the separator), so the first unescaped "|" always ends the scope and
+// two (scope, key) pairs never give one key. The key itself is not
+// escaped: it is the rest of the string.
+func ScopeKey(scope, key string) string {
+	b := appendKeyPart(make([]byte, 0, len(scope)+len(key)+3), scope, '|')
+	return string(append(append(b, '|'), key...))
+}

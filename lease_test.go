@@ -20,20 +20,29 @@ func TestCrashedWorkerLosesKey(t *testing.T) {
 	ctx := context.Background()
 	url := testdb.New(t)
 	now := time.Now()
-	dead := idem.New(testdb.PoolAt(t, url, 2, now), nil)
+	dead, err := idem.New(testdb.PoolAt(t, url, 2, now), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	first, err := dead.Claim(ctx, "queue", "job-1", idem.WithLease(30*time.Second))
 	if err != nil || first.Outcome != idem.Acquired {
 		t.Fatalf("claim: %+v %v", first, err)
 	}
 
 	// Still within the lease: everyone else is told to wait.
-	during := idem.New(testdb.PoolAt(t, url, 2, now.Add(29*time.Second)), nil)
+	during, err := idem.New(testdb.PoolAt(t, url, 2, now.Add(29*time.Second)), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	if cl, err := during.Claim(ctx, "queue", "job-1"); err != nil || cl.Outcome != idem.InProgress {
 		t.Fatalf("claim within the lease: %+v %v, want in_progress", cl, err)
 	}
 
 	// After the lease: 16 deliveries race for the key; one wins.
-	after := idem.New(testdb.PoolAt(t, url, 16, now.Add(31*time.Second)), nil)
+	after, err := idem.New(testdb.PoolAt(t, url, 16, now.Add(31*time.Second)), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	var (
 		mu     sync.Mutex
 		winner *idem.Claim
@@ -90,7 +99,10 @@ func TestWorkerDiesInsideTransaction(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool := testdb.Pool(t, testdb.New(t), 4)
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	tx, err := pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -171,14 +183,23 @@ func TestExtendKeepsLease(t *testing.T) {
 	ctx := context.Background()
 	url := testdb.New(t)
 	now := time.Now()
-	w := idem.New(testdb.PoolAt(t, url, 2, now), nil)
+	w, err := idem.New(testdb.PoolAt(t, url, 2, now), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	cl, _ := w.Claim(ctx, "queue", "slow", idem.WithLease(10*time.Second))
-	later := idem.New(testdb.PoolAt(t, url, 2, now.Add(8*time.Second)), nil)
+	later, err := idem.New(testdb.PoolAt(t, url, 2, now.Add(8*time.Second)), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	until, err := later.Extend(ctx, "queue", "slow", cl.Token, 10*time.Second)
 	if err != nil || !until.After(now.Add(17*time.Second)) {
 		t.Fatalf("extend: %v %v", until, err)
 	}
-	past := idem.New(testdb.PoolAt(t, url, 2, now.Add(15*time.Second)), nil)
+	past, err := idem.New(testdb.PoolAt(t, url, 2, now.Add(15*time.Second)), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	if dup, err := past.Claim(ctx, "queue", "slow"); err != nil || dup.Outcome != idem.InProgress {
 		t.Fatalf("claim after the original lease but within the extension: %+v %v", dup, err)
 	}
@@ -194,12 +215,18 @@ func TestExpiredKeyIsNewAgain(t *testing.T) {
 	ctx := context.Background()
 	url := testdb.New(t)
 	now := time.Now()
-	old := idem.New(testdb.PoolAt(t, url, 2, now.Add(-2*time.Hour)), nil)
+	old, err := idem.New(testdb.PoolAt(t, url, 2, now.Add(-2*time.Hour)), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	cl, _ := old.Claim(ctx, "forms", "submit-1", idem.WithTTL(time.Hour), idem.WithLease(time.Minute))
 	if err := old.Complete(ctx, "forms", "submit-1", cl.Token, []byte(`1`)); err != nil {
 		t.Fatal(err)
 	}
-	c := idem.New(testdb.PoolAt(t, url, 2, now), nil)
+	c, err := idem.New(testdb.PoolAt(t, url, 2, now), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	fresh, err := c.Claim(ctx, "forms", "submit-1")
 	if err != nil || fresh.Outcome != idem.Acquired || fresh.Attempt != 1 || fresh.Token == cl.Token {
 		t.Fatalf("claim after expiry: %+v %v, want a fresh acquisition", fresh, err)
@@ -245,8 +272,14 @@ func TestLeaseLostIsReported(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	url := testdb.New(t)
-	first := idem.New(testdb.Pool(t, url, 4), nil)
-	later := idem.New(testdb.PoolAt(t, url, 4, time.Now().Add(time.Hour)), nil)
+	first, err := idem.New(testdb.Pool(t, url, 4), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	later, err := idem.New(testdb.PoolAt(t, url, 4, time.Now().Add(time.Hour)), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	for _, honoursCtx := range []bool{true, false} {
 		t.Run(fmt.Sprintf("work honours ctx %v", honoursCtx), func(t *testing.T) {
 			t.Parallel()

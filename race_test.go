@@ -116,7 +116,10 @@ func TestRaceExactlyOneAcquirePerKey(t *testing.T) {
 	t.Parallel()
 	pool := testdb.Pool(t, testdb.New(t), raceConns)
 	warm(t, pool)
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	var acquired tally
 	var outcomes sync.Map
 	storm(t, raceKeys, func(ctx context.Context, _ int, d delivery) error {
@@ -163,7 +166,10 @@ func TestRaceAcrossMonthBoundary(t *testing.T) {
 		// Keys first seen an hour before the boundary, in the previous
 		// month's partition: a third completed, a third still in flight
 		// under a live lease, a third whose worker died (lease lapsed).
-		before := idem.New(testdb.PoolAt(t, url, 4, boundary.Add(-time.Hour)), nil)
+		before, err := idem.New(testdb.PoolAt(t, url, 4, boundary.Add(-time.Hour)), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
 		kind := func(k int) int { return k % 3 }
 		for k := range raceKeys {
 			key := fmt.Sprintf("evt_%05d", k)
@@ -180,7 +186,10 @@ func TestRaceAcrossMonthBoundary(t *testing.T) {
 		}
 		after := testdb.PoolAt(t, url, raceConns, boundary.Add(time.Second))
 		warm(t, after)
-		c := idem.New(after, nil)
+		c, err := idem.New(after, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
 		var reacquired tally
 		storm(t, raceKeys, func(ctx context.Context, _ int, d delivery) error {
 			cl, err := c.Claim(ctx, "stripe", d.key, idem.WithLease(2*time.Hour))
@@ -217,8 +226,14 @@ func TestRaceAcrossMonthBoundary(t *testing.T) {
 	t.Run("first deliveries straddle the boundary", func(t *testing.T) {
 		// Half the connections live just before midnight, half just after:
 		// the same key races into two different partitions.
-		early := idem.New(testdb.PoolAt(t, url, raceConns/2, boundary.Add(-time.Millisecond)), nil)
-		late := idem.New(testdb.PoolAt(t, url, raceConns/2, boundary.Add(time.Millisecond)), nil)
+		early, err := idem.New(testdb.PoolAt(t, url, raceConns/2, boundary.Add(-time.Millisecond)), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		late, err := idem.New(testdb.PoolAt(t, url, raceConns/2, boundary.Add(time.Millisecond)), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
 		var acquired tally
 		storm(t, raceKeys, func(ctx context.Context, w int, d delivery) error {
 			c := early
@@ -258,7 +273,10 @@ func TestRaceInsideAppTransactions(t *testing.T) {
 				t.Fatal(err)
 			}
 			warm(t, pool)
-			c := idem.New(pool, nil)
+			c, err := idem.New(pool, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
 			var acquired tally
 			var retries atomic.Int64
 			storm(t, raceKeys, func(ctx context.Context, _ int, d delivery) error {
@@ -301,7 +319,7 @@ func TestRaceInsideAppTransactions(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer tx.Rollback(ctx)
-		_, err = idem.New(pool, nil).WithTx(tx).Claim(ctx, "stripe", "evt_rr")
+		_, err = testdb.Client(t, pool, nil).WithTx(tx).Claim(ctx, "stripe", "evt_rr")
 		if !errors.Is(err, idem.ErrIsolationNotSupported) {
 			t.Fatalf("claim at REPEATABLE READ: %v, want ErrIsolationNotSupported", err)
 		}

@@ -29,7 +29,10 @@ const MaxWait = time.Hour
 // transaction pooler such as PgBouncer in transaction mode (LISTEN needs a
 // session of its own; the client finds out by notifying itself when it
 // starts listening) and on database/sql clients. A waiting duplicate polls
-// with idem.peek, read-only, so it is counted as a duplicate once.
+// with idem.peek, read-only, and claims again in a transaction that is not
+// counted (migration 15), so it is counted as a duplicate once (on Citus,
+// where the claim runs on a worker, the claim after the wait is counted
+// too).
 func WithWait(d time.Duration) ClaimOption { return func(a *claimArgs) { a.wait = d } }
 
 // waitKey is the notification payload of a key (idem.wait_channel_key).
@@ -79,7 +82,9 @@ func (c *Client) waitFor(ctx context.Context, a claimArgs, cl *Claim) (*Claim, e
 		// Look first: the original may have finished before we registered.
 		status, left, err := c.d.peek(wctx, a.source, a.key)
 		if err == nil && (status != "processing" || left <= 0) {
-			next, err := c.d.claim(wctx, a)
+			// Counted as a duplicate once, by the claim that found the
+			// key in progress: this one is not counted again.
+			next, err := c.d.claimUncounted(wctx, a)
 			if err != nil {
 				if wctx.Err() != nil && ctx.Err() == nil {
 					return cl, nil // the wait ended mid-claim

@@ -29,7 +29,7 @@ func TestWait(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { db.Close() })
-	for name, c := range map[string]*idem.Client{"pgx": idem.New(pool, nil), "database/sql": idem.NewSQL(db, nil)} {
+	for name, c := range map[string]*idem.Client{"pgx": testdb.Client(t, pool, nil), "database/sql": testdb.SQLClient(t, db, nil)} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			key := func(k string) string { return name + "/" + k }
@@ -115,7 +115,10 @@ func TestNotifyOnlyWhenWaited(t *testing.T) {
 	ctx := context.Background()
 	url := testdb.New(t)
 	pool := testdb.Pool(t, url, 4)
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	conn, err := pgx.Connect(ctx, url)
 	if err != nil {
 		t.Fatal(err)
@@ -174,7 +177,10 @@ func TestListenerCloses(t *testing.T) {
 		}
 		return n
 	}
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	orig, _ := c.Claim(ctx, "l", "k")
 	done := make(chan struct{})
 	go func() {
@@ -198,7 +204,10 @@ func TestListenerCloses(t *testing.T) {
 		}
 	}
 	// A cache keeps its listener until Close.
-	cc := idem.New(pool, &idem.Config{Cache: &idem.CacheConfig{}})
+	cc, err := idem.New(pool, &idem.Config{Cache: &idem.CacheConfig{}})
+	if err != nil {
+		t.Fatal(err)
+	}
 	_, _ = cc.Claim(ctx, "l", "k")
 	for deadline := time.Now().Add(5 * time.Second); listeners() != 1; time.Sleep(20 * time.Millisecond) {
 		if time.Now().After(deadline) {
@@ -209,6 +218,47 @@ func TestListenerCloses(t *testing.T) {
 	for deadline := time.Now().Add(5 * time.Second); listeners() != 0; time.Sleep(20 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			t.Fatal("the cache's listener is still open after Close")
+		}
+	}
+}
+
+// TestWaitCountedOnce: a duplicate that waits (WithWait) for the original
+// to complete is counted as one duplicate, not two (its claim after the
+// wait is not counted): on a pgx pool and through database/sql.
+func TestWaitCountedOnce(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.Pool(t, url, 8)
+	db, err := sql.Open("pgx", url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	for name, c := range map[string]*idem.Client{"pgx": testdb.Client(t, pool, nil), "sql": testdb.SQLClient(t, db, nil)} {
+		source := "once-" + name
+		countEvery(t, pool, source)
+		orig, err := c.Claim(ctx, source, "k")
+		if err != nil {
+			t.Fatal(err)
+		}
+		ch := make(chan *idem.Claim, 1)
+		go func() {
+			cl, err := c.Claim(ctx, source, "k", idem.WithWait(10*time.Second))
+			if err != nil {
+				t.Error(err)
+			}
+			ch <- cl
+		}()
+		time.Sleep(300 * time.Millisecond)
+		if err := c.Complete(ctx, source, "k", orig.Token, json.RawMessage(`1`)); err != nil {
+			t.Fatal(err)
+		}
+		if cl := <-ch; cl == nil || cl.Outcome != idem.Completed {
+			t.Fatalf("%s: the waiter got %+v", name, cl)
+		}
+		if n := counted(t, pool, source); n != 1 {
+			t.Errorf("%s: a waiting duplicate counted %d times, want once", name, n)
 		}
 	}
 }

@@ -23,8 +23,14 @@ func benchCache(ctx context.Context, e *env, o options, t *table) error {
 	}
 	key := func() string { return "c-" + strconv.Itoa(1+rand.IntN(keys)) }
 	never := func(context.Context) (any, error) { return nil, fmt.Errorf("bench: a duplicate ran") }
-	plain := idem.New(e.pool, nil)
-	cached := idem.New(e.pool, &idem.Config{Cache: &idem.CacheConfig{Size: 2 * keys, MaxAge: 5 * time.Minute}})
+	plain, err := idem.New(e.pool, nil)
+	if err != nil {
+		return err
+	}
+	cached, err := idem.New(e.pool, &idem.Config{Cache: &idem.CacheConfig{Size: 2 * keys, MaxAge: 5 * time.Minute}})
+	if err != nil {
+		return err
+	}
 	defer cached.Close()
 	// Warm: until every key is cached (the listener starts on first use).
 	for i := 1; i <= keys; i++ {

@@ -94,11 +94,17 @@ func benchE2EOn(ctx context.Context, s server, o options, t *v2table) error {
 			return err
 		}
 	}
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		return err
+	}
 	// The same client with its cache of completed outcomes (Config.Cache,
 	// docs/design.md): a duplicate of a key completed within MaxAge is
 	// answered from memory while the cache's listener is heard from.
-	cached := idem.New(pool, &idem.Config{Cache: &idem.CacheConfig{Size: e2eDupKeys}})
+	cached, err := idem.New(pool, &idem.Config{Cache: &idem.CacheConfig{Size: e2eDupKeys}})
+	if err != nil {
+		return err
+	}
 	defer cached.Close()
 	result := json.RawMessage(`{"ok": true}`)
 	keyOf := func(dup bool) string {

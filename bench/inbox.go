@@ -32,7 +32,10 @@ func benchInbox(ctx context.Context, e *env, o options, t *table) error {
 	if err != nil {
 		return err
 	}
-	c := idem.New(e.pool, nil)
+	c, err := idem.New(e.pool, nil)
+	if err != nil {
+		return err
+	}
 	payload := []byte(`{"id":"evt_bench","type":"invoice.paid","data":{"object":{"amount_paid":4200}}}`)
 	const clients = 8
 	accept := func(ctx context.Context, _ int, _ int64) error {

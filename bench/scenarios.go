@@ -99,7 +99,10 @@ func benchDuplicates(ctx context.Context, e *env, o options, t *table) error {
 
 // benchLibrary: the public Go API against the same statement in raw pgx.
 func benchLibrary(ctx context.Context, e *env, o options, t *table) error {
-	c := idem.New(e.pool, nil)
+	c, err := idem.New(e.pool, nil)
+	if err != nil {
+		return err
+	}
 	lib := func(ctx context.Context, _ int, _ int64) error {
 		_, err := c.Claim(ctx, "bench-lib", newKey())
 		return err

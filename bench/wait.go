@@ -25,7 +25,15 @@ func benchWait(ctx context.Context, e *env, o options, t *table) error {
 	}
 	defer db.Close()
 	db.SetMaxOpenConns(16)
-	clients := map[string]*idem.Client{"notified": idem.New(e.pool, nil), "polling": idem.NewSQL(db, nil)}
+	notified, err := idem.New(e.pool, nil)
+	if err != nil {
+		return err
+	}
+	polling, err := idem.NewSQL(db, nil)
+	if err != nil {
+		return err
+	}
+	clients := map[string]*idem.Client{"notified": notified, "polling": polling}
 	lags := map[string][]time.Duration{}
 	for round := range o.rounds {
 		for _, mode := range []string{"notified", "polling"} {

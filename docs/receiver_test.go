@@ -58,7 +58,11 @@ func TestStripeWebhookRunsOnce(t *testing.T) {
 	pool := newTestPool(t) // your test database, with idem's migrations applied
 	stripe := idemtest.Stripe("whsec_test")
 	runs := idemtest.Count(newWebhookHandler(pool)) // the handler under test, counted
-	mw, err := idemhttp.New(idemhttp.Config{Client: idem.New(pool, nil)}.Apply(idemhttp.Stripe("whsec_test")))
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mw, err := idemhttp.New(idemhttp.Config{Client: c}.Apply(idemhttp.Stripe("whsec_test")))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -9,6 +9,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"log"
 	"net/http"
 	"os"
 
@@ -59,7 +60,10 @@ func _(c *idem.Client)                                          { sendersDoc(c, 
 // README.md, "Use it from Go".
 func readmeDo(ctx context.Context, w http.ResponseWriter) {
 	pool, _ := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		log.Fatal(err) // a Config out of range is found here, at start-up
+	}
 
 	res, err := c.Do(ctx, "stripe", event.ID, func(ctx context.Context) (any, error) {
 		return chargeCustomer(ctx, event) // runs once per event id
@@ -156,7 +160,11 @@ func effectsDoc(ctx context.Context, c *idem.Client) {
 // docs/http.md.
 func httpDoc(ctx context.Context) {
 	pool, _ := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
-	mw, err := idemhttp.New(idemhttp.Config{Client: idem.New(pool, nil)}.
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+	mw, err := idemhttp.New(idemhttp.Config{Client: c}.
 		Apply(idemhttp.Stripe(os.Getenv("STRIPE_WEBHOOK_SECRET"))))
 	http.Handle("POST /webhooks/stripe", mw(myHandler))
 	useAll(err)

@@ -39,6 +39,14 @@ type Acceptor interface {
 // accept is the asynchronous mode: accept, answer 202.
 func (m *middleware) accept(w http.ResponseWriter, r *http.Request, d *Delivery) Answer {
 	dup, err := m.cfg.Async.AcceptDelivery(r.Context(), d)
+	if errors.Is(err, idem.ErrMismatch) {
+		// Stored by an earlier version's JSONFingerprint (numbers as
+		// written): the same payload matches that form.
+		if old := legacyFingerprint(m.cfg.Fingerprint, r, d.Body, d.Fingerprint); old != "" {
+			d.Fingerprint = old
+			dup, err = m.cfg.Async.AcceptDelivery(r.Context(), d)
+		}
+	}
 	switch {
 	case err == nil:
 		w.Header().Set("Content-Type", "application/json")

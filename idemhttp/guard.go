@@ -7,6 +7,7 @@ import (
 	"errors"
 	"log/slog"
 	"net/http"
+	"strings"
 
 	"github.com/idemkit/idem"
 )
@@ -31,9 +32,20 @@ import (
 const GuardSuffix = "/bodies"
 
 // GuardKey is the replay guard's key for a signed body of an event type:
-// SHA-256, hex.
+// the hex SHA-256 of the event type, a newline and the body. An event type
+// holding a newline (never one from a header, where the presets read it)
+// is hashed instead from a NUL byte and the hex SHA-256 of
+// idem.JoinKey(eventType, body): an input with no newline at all, which no
+// event type without one gives, so two (event type, body) pairs never
+// give one input.
 func GuardKey(eventType string, body []byte) string {
 	h := sha256.New()
+	if strings.IndexByte(eventType, '\n') >= 0 {
+		inner := sha256.Sum256([]byte(idem.JoinKey(eventType, string(body))))
+		h.Write([]byte{0})
+		h.Write([]byte(hex.EncodeToString(inner[:])))
+		return hex.EncodeToString(h.Sum(nil))
+	}
 	h.Write([]byte(eventType))
 	h.Write([]byte{'\n'})
 	h.Write(body)

@@ -335,6 +335,21 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 }
 
 // serve answers r and says how.
+// legacyFingerprints are the fingerprints earlier versions stored for
+// this delivery, other than fp.
+func (m *middleware) legacyFingerprints(r *http.Request, body []byte, fp string) []string {
+	var olds []string
+	if m.cfg.legacyFingerprint != nil {
+		if old := m.cfg.legacyFingerprint(r, body); old != fp {
+			olds = append(olds, old)
+		}
+	}
+	if old := legacyFingerprint(m.cfg.Fingerprint, r, body, fp); old != "" {
+		olds = append(olds, old)
+	}
+	return olds
+}
+
 func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, m.cfg.MaxRequestBody))
 	if err != nil {
@@ -376,7 +391,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 	}
 
 	if m.cfg.Scope != nil {
-		key = m.cfg.Scope(r) + "|" + key
+		key = idem.ScopeKey(m.cfg.Scope(r), key)
 	}
 	if m.cfg.Async != nil {
 		d := &Delivery{Source: m.cfg.Source, Key: key, EventType: eventType,
@@ -436,15 +451,22 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 	}
 	var res *idem.Result
 	fp := m.cfg.Fingerprint(r, body)
-	if fp == "" {
-		res, err = m.cfg.Client.Do(ctx, m.cfg.Source, key, work, opts...)
-	} else {
-		res, err = m.cfg.Client.Do(ctx, m.cfg.Source, key, work, append(opts, idem.WithFingerprint(fp))...)
+	do := func(fp string) (*idem.Result, error) {
+		if fp == "" {
+			return m.cfg.Client.Do(ctx, m.cfg.Source, key, work, opts...)
+		}
+		return m.cfg.Client.Do(ctx, m.cfg.Source, key, work, append(opts, idem.WithFingerprint(fp))...)
 	}
-	if errors.Is(err, idem.ErrMismatch) && m.cfg.legacyFingerprint != nil {
-		// A key stored by an earlier version, under the body-only
-		// fingerprint: its sender's retry is not a mismatch.
-		res, err = m.cfg.Client.Do(ctx, m.cfg.Source, key, work, append(opts, idem.WithFingerprint(m.cfg.legacyFingerprint(r, body)))...)
+	res, err = do(fp)
+	// A key stored by an earlier version under another fingerprint of the
+	// same delivery (a sender preset's body-only fingerprint, or
+	// JSONFingerprint's numbers as written): its sender's retry is not a
+	// mismatch.
+	for _, old := range m.legacyFingerprints(r, body, fp) {
+		if !errors.Is(err, idem.ErrMismatch) {
+			break
+		}
+		res, err = do(old)
 	}
 
 	switch {

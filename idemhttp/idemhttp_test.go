@@ -27,7 +27,11 @@ func TestMain(m *testing.M) { testdb.Main(m) }
 func setup(t *testing.T, cfg idemhttp.Config, h http.Handler) (*httptest.Server, *pgxpool.Pool) {
 	t.Helper()
 	pool := testdb.Pool(t, testdb.New(t), 32)
-	cfg.Client = idem.New(pool, nil)
+	var err error
+	cfg.Client, err = idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	if cfg.Source == "" {
 		cfg.Source = "api"
 	}
@@ -288,7 +292,7 @@ func TestConcurrentIdenticalRequests(t *testing.T) {
 
 func TestConfigRefused(t *testing.T) {
 	t.Parallel()
-	c := idem.New(nil, nil)
+	c := testdb.Client(t, testdb.Pool(t, testdb.New(t), 1), nil)
 	for name, cfg := range map[string]idemhttp.Config{
 		"negative TTL":             {Client: c, Source: "s", TTL: -time.Second},
 		"negative lease":           {Client: c, Source: "s", Lease: -time.Second},

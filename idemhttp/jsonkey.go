@@ -1,10 +1,12 @@
 package idemhttp
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
+	"strconv"
 	"strings"
 
 	"github.com/tidwall/gjson"
@@ -38,8 +40,12 @@ func (e *KeyFieldError) Is(target error) bool { return target == ErrKeyField }
 const maxKey = 512
 
 // JSONKey keys by the values at paths in the JSON body, in gjson's path
-// syntax ("data.object.id", "items.0.sku"; see github.com/tidwall/gjson),
-// joined with ":" in the order given when there are several. Every path
+// syntax ("data.object.id", "items.0.sku"; see github.com/tidwall/gjson).
+// One path: the key is the value as it is. Several: the values are joined
+// in the order given by idem.JoinKey (":" between them, a ":" or "\" inside
+// a value escaped with "\"), so that two events whose fields differ never
+// share a key ("a:b","c" and "a","b:c" are `a\:b:c` and `a:b\:c`); values
+// without ":" or "\" give the same key as a plain join. Every path
 // is required, and must hold a non-empty string or an integer; anything
 // else is an ErrKeyField error naming the path (answered 400, nothing
 // claimed), never an empty or partial key. typePath, when not "", is the
@@ -62,7 +68,7 @@ func JSONKey(typePath string, paths ...string) KeyFunc {
 			}
 			parts[i] = v
 		}
-		key := strings.Join(parts, ":")
+		key := joinParts(parts)
 		if len(key) > maxKey {
 			return "", "", &KeyFieldError{Path: strings.Join(paths, ","), Problem: fmt.Sprintf("the key would be %d bytes, over idem's %d", len(key), maxKey)}
 		}
@@ -118,7 +124,8 @@ func isInteger(raw string) bool {
 }
 
 // Compose keys by several KeyFuncs at once (headers and JSON fields, say),
-// their keys joined with ":" in order; each must give a key (an empty one
+// their keys joined in order by idem.JoinKey as JSONKey joins its values
+// (one KeyFunc: its key as it is); each must give a key (an empty one
 // is an ErrKeyField error naming its position), and the event type is the
 // first one given.
 //
@@ -140,7 +147,7 @@ func Compose(keys ...KeyFunc) KeyFunc {
 				typ = t
 			}
 		}
-		key := strings.Join(parts, ":")
+		key := joinParts(parts)
 		if len(key) > maxKey {
 			return "", "", &KeyFieldError{Problem: fmt.Sprintf("the composed key would be %d bytes, over idem's %d", len(key), maxKey)}
 		}
@@ -148,14 +155,31 @@ func Compose(keys ...KeyFunc) KeyFunc {
 	}
 }
 
+// joinParts is the key of parts: one part as it is, several by
+// idem.JoinKey.
+func joinParts(parts []string) string {
+	if len(parts) == 1 {
+		return parts[0]
+	}
+	return idem.JoinKey(parts[0], parts[1:]...)
+}
+
 // JSONFingerprint fingerprints the values at paths of the JSON body only
 // (gjson paths), so that a sender adding or reordering other fields on a
 // retry is not a mismatch. Each value is compared in a canonical form
-// (object keys sorted, insignificant white space dropped); an absent path
-// counts as absent, not as an error. A body that is not JSON is
-// fingerprinted whole.
+// (object keys sorted, insignificant white space dropped, numbers by their
+// value: 1, 1.0, 1e0 and 10E-1 are one number, written as the shortest
+// plain decimal, so a sender or proxy that re-serializes numbers is not a
+// mismatch; numbers already written that way fingerprint as before, and on
+// a mismatch the middleware tries the form earlier versions stored); an
+// absent path counts as absent, not as an error. A body that is not JSON
+// is fingerprinted whole.
 func JSONFingerprint(paths ...string) FingerprintFunc {
-	return func(_ *http.Request, body []byte) string {
+	return func(r *http.Request, body []byte) string {
+		canonical := canonicalValue
+		if r != nil && r.Context().Value(legacyFingerprintKey{}) != nil {
+			canonical = asWritten // the fingerprint earlier versions stored
+		}
 		if !gjson.ValidBytes(body) {
 			return idem.Fingerprint(body)
 		}
@@ -167,7 +191,7 @@ func JSONFingerprint(paths ...string) FingerprintFunc {
 				parts = append(parts, []byte{0})
 				continue
 			}
-			c, err := idem.Canonical(json.RawMessage(v.Raw))
+			c, err := canonical(v.Raw)
 			if err != nil {
 				c = []byte(v.Raw)
 			}
@@ -175,4 +199,100 @@ func JSONFingerprint(paths ...string) FingerprintFunc {
 		}
 		return idem.Fingerprint(parts...)
 	}
+}
+
+// legacyFingerprintKey, in a request's context, asks JSONFingerprint for
+// the fingerprint versions before numbers were compared by value stored
+// (numbers as written): the middleware claims with it once more when the
+// first claim answers Mismatch and it differs, so that a retry of an event
+// accepted before the upgrade still matches its stored fingerprint.
+type legacyFingerprintKey struct{}
+
+// legacyFingerprint is fp's form before numbers were compared by value,
+// or "" when it is the same (every FingerprintFunc but JSONFingerprint's,
+// and JSONFingerprint's for numbers already in their shortest form).
+func legacyFingerprint(f FingerprintFunc, r *http.Request, body []byte, fp string) string {
+	old := f(r.WithContext(context.WithValue(r.Context(), legacyFingerprintKey{}, true)), body)
+	if old == fp {
+		return ""
+	}
+	return old
+}
+
+// asWritten is idem.Canonical of a JSON value, numbers as written.
+func asWritten(raw string) ([]byte, error) { return idem.Canonical(json.RawMessage(raw)) }
+
+// canonicalValue is idem.Canonical of a JSON value with every number
+// written by canonicalNumber.
+func canonicalValue(raw string) ([]byte, error) {
+	dec := json.NewDecoder(strings.NewReader(raw))
+	dec.UseNumber()
+	var v any
+	if err := dec.Decode(&v); err != nil {
+		return nil, err
+	}
+	return idem.Canonical(normalizeNumbers(v))
+}
+
+func normalizeNumbers(v any) any {
+	switch x := v.(type) {
+	case json.Number:
+		return json.Number(canonicalNumber(string(x)))
+	case map[string]any:
+		for k, e := range x {
+			x[k] = normalizeNumbers(e)
+		}
+	case []any:
+		for i, e := range x {
+			x[i] = normalizeNumbers(e)
+		}
+	}
+	return v
+}
+
+// canonicalNumber writes a JSON number by its exact value: the shortest
+// plain decimal ("1.0" and "1e0" are "1", "1.50" is "1.5", "-0" is "0"),
+// or digits and an exponent ("1e400") when the plain form would be longer
+// than maxPlain. Exact: no float conversion, so large integers stay
+// distinct.
+func canonicalNumber(n string) string {
+	const maxPlain = 100
+	orig := n
+	neg := strings.HasPrefix(n, "-")
+	n = strings.TrimPrefix(n, "-")
+	mant, exp := n, int64(0)
+	if i := strings.IndexAny(n, "eE"); i >= 0 {
+		e, err := strconv.ParseInt(strings.TrimPrefix(n[i+1:], "+"), 10, 32)
+		if err != nil {
+			return orig // an exponent past 32 bits: as written
+		}
+		mant, exp = n[:i], e
+	}
+	digits := mant
+	if i := strings.IndexByte(mant, '.'); i >= 0 {
+		digits = mant[:i] + mant[i+1:]
+		exp -= int64(len(mant) - i - 1)
+	}
+	digits = strings.TrimLeft(digits, "0")
+	if digits == "" {
+		return "0"
+	}
+	trimmed := strings.TrimRight(digits, "0")
+	exp += int64(len(digits) - len(trimmed))
+	digits = trimmed
+	sign := ""
+	if neg {
+		sign = "-"
+	}
+	// value = digits × 10^exp
+	switch {
+	case exp >= 0 && int64(len(digits))+exp <= maxPlain:
+		return sign + digits + strings.Repeat("0", int(exp))
+	case exp < 0 && -exp < int64(len(digits)):
+		point := int64(len(digits)) + exp
+		return sign + digits[:point] + "." + digits[point:]
+	case exp < 0 && -exp-int64(len(digits)) < maxPlain:
+		return sign + "0." + strings.Repeat("0", int(-exp-int64(len(digits)))) + digits
+	}
+	return sign + digits + "e" + strconv.FormatInt(exp, 10)
 }

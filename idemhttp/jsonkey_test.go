@@ -1,13 +1,19 @@
 package idemhttp_test
 
 import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"net/http"
 	"net/http/httptest"
 	"strings"
 	"testing"
 
+	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/idemhttp"
+	"github.com/idemkit/idem/internal/testdb"
 )
 
 // TestJSONKey: keys from JSON fields, table-driven: paths that hold a
@@ -128,4 +134,128 @@ func TestJSONKeyOverHTTP(t *testing.T) {
 	if !strings.Contains(bad.body, `key field \"data.object.id\": not in the body`) || runs != 1 {
 		t.Fatalf("missing field: %s, runs %d", bad.body, runs)
 	}
+}
+
+// TestJSONKeysCannotCollide: two events whose fields hold ":" (URN ids,
+// tenant names) have different keys, through JSONKey and Compose, and
+// over HTTP each runs once (the second is not replayed the first one's
+// answer, nor answered 422); fields without ":" or "\" keep the key a
+// plain join gives (keys stored by earlier versions still match), and one
+// path is its value as it is.
+func TestJSONKeysCannotCollide(t *testing.T) {
+	t.Parallel()
+	r := httptest.NewRequest("POST", "/", nil)
+	two := idemhttp.JSONKey("", "tenant", "id")
+	bodies := []string{`{"tenant":"a:b","id":"c"}`, `{"tenant":"a","id":"b:c"}`, `{"tenant":"a\\","id":":c"}`, `{"tenant":"a","id":"\\:c"}`}
+	seen := map[string]string{}
+	for _, b := range bodies {
+		key, _, err := two(r, []byte(b))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if other, dup := seen[key]; dup {
+			t.Fatalf("%s and %s share the key %q", other, b, key)
+		}
+		seen[key] = b
+	}
+	if key, _, _ := two(r, []byte(`{"tenant":"acme","id":42}`)); key != "acme:42" {
+		t.Fatalf("plain fields: %q, want the plain join acme:42", key)
+	}
+	if key, _, _ := idemhttp.JSONKey("", "id")(r, []byte(`{"id":"urn:evt:1"}`)); key != "urn:evt:1" {
+		t.Fatalf("one path: %q, want the value as it is", key)
+	}
+	composed := idemhttp.Compose(idemhttp.HeaderKey("", "X-Tenant"), idemhttp.JSONKey("", "id"))
+	r1 := httptest.NewRequest("POST", "/", nil)
+	r1.Header.Set("X-Tenant", "a:b")
+	r2 := httptest.NewRequest("POST", "/", nil)
+	r2.Header.Set("X-Tenant", "a")
+	k1, _, _ := composed(r1, []byte(`{"id":"c"}`))
+	k2, _, _ := composed(r2, []byte(`{"id":"b:c"}`))
+	if k1 == k2 {
+		t.Fatalf("Compose: two events share the key %q", k1)
+	}
+
+	runs := 0
+	srv, _ := setup(t, idemhttp.Config{Source: "tenants", Key: two}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs++
+		w.Write([]byte("done\n"))
+	}))
+	for _, b := range bodies[:2] {
+		res := send(t, srv, "POST", "/", b, nil)
+		if res.status != 200 || res.header.Get(idemhttp.ReplayedHeader) == "true" {
+			t.Fatalf("%s: %d %v", b, res.status, res.header)
+		}
+	}
+	if runs != 2 {
+		t.Fatalf("runs %d, want one per event", runs)
+	}
+}
+
+// TestGuardKeysCannotCollide: an event type with a newline cannot make
+// its (type, body) pair hash like another; a header's event type keeps
+// the guard key earlier versions stored.
+func TestGuardKeysCannotCollide(t *testing.T) {
+	t.Parallel()
+	if idemhttp.GuardKey("a\nb", []byte("c")) == idemhttp.GuardKey("a", []byte("b\nc")) {
+		t.Fatal(`("a\nb", "c") and ("a", "b\nc") share a guard key`)
+	}
+	sum := sha256.Sum256([]byte("push\n{}"))
+	if idemhttp.GuardKey("push", []byte("{}")) != hex.EncodeToString(sum[:]) {
+		t.Fatal("the guard key of a header's event type changed")
+	}
+}
+
+// TestJSONFingerprintNumbers: a number is compared by its value, so a
+// sender or proxy that re-serializes 1 as 1.0 (or 1e0, 10E-1) is not a
+// mismatch; different values stay different, however large or precise;
+// numbers written in the shortest plain form fingerprint as before.
+func TestJSONFingerprintNumbers(t *testing.T) {
+	t.Parallel()
+	fp := idemhttp.JSONFingerprint("n")
+	r := httptest.NewRequest("POST", "/", nil)
+	of := func(n string) string { return fp(r, []byte(`{"n":`+n+`}`)) }
+	for _, same := range [][]string{{"1", "1.0", "1e0", "10E-1", "1.000", "0.1e1", "100e-2"}, {"0", "-0", "0.0", "0e5"},
+		{"0.1", "0.10", "1e-1", "0.01e1"}, {"-2.5", "-25e-1", "-2.50"}, {"1e400", "10e399", "1.0e400"}, {"120", "1.2e2", "12E1"}} {
+		for _, n := range same[1:] {
+			if of(n) != of(same[0]) {
+				t.Errorf("%s and %s fingerprint differently", same[0], n)
+			}
+		}
+	}
+	for _, pair := range [][2]string{{"1", "2"}, {"12345678901234567891", "12345678901234567892"}, {"0.1", "0.11"}, {"1e400", "1e401"},
+		{"1", "-1"}, {"1", `"1"`}, {"0.000000000000000000001", "0.000000000000000000002"}} {
+		if of(pair[0]) == of(pair[1]) {
+			t.Errorf("%s and %s fingerprint the same", pair[0], pair[1])
+		}
+	}
+	// As earlier versions stored it: path, then the value as written.
+	if of("4200") != idem.Fingerprint([]byte("n"), []byte("4200")) || fp(r, []byte(`{"n":{"b":1.5,"a":[2]}}`)) != idem.Fingerprint([]byte("n"), []byte(`{"a":[2],"b":1.5}`)) {
+		t.Error("a fingerprint of numbers already in plain form changed")
+	}
+}
+
+// TestJSONFingerprintUpgrade: a key an earlier version completed, with the
+// fingerprint of its numbers as written ("10.50"), is replayed to the
+// retry of the same payload (not answered 422: the event was processed),
+// and a different payload is still a mismatch.
+func TestJSONFingerprintUpgrade(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	runs := 0
+	srv, pool := setup(t, idemhttp.Config{Source: "shop", Key: idemhttp.JSONKey("", "id"), Fingerprint: idemhttp.JSONFingerprint("amount")},
+		http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { runs++; w.Write([]byte("paid\n")) }))
+	c := testdb.Client(t, pool, nil)
+	old := idem.Fingerprint([]byte("amount"), []byte("10.50")) // as an earlier version stored it
+	key := idem.ScopeKey("anonymous", "ord_1")                 // the IETF mode scopes keys per client
+	cl, err := c.Claim(ctx, "shop", key, idem.WithFingerprint(old))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Complete(ctx, "shop", key, cl.Token, json.RawMessage(`{"status":200,"body":"cGFpZAo="}`)); err != nil {
+		t.Fatal(err)
+	}
+	if res := send(t, srv, "POST", "/", `{"id":"ord_1","amount":10.50}`, nil); res.status == 422 || runs != 0 {
+		t.Fatalf("the retry of an event processed before the upgrade: %d, runs %d", res.status, runs)
+	}
+	requireProblem(t, send(t, srv, "POST", "/", `{"id":"ord_1","amount":11}`, nil), 422)
 }

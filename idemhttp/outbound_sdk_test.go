@@ -59,7 +59,7 @@ func (s *stripeAPI) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 func TestTransportOverStripeGo(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	c := idem.New(testdb.Pool(t, testdb.New(t), 4), nil)
+	c := testdb.Client(t, testdb.Pool(t, testdb.New(t), 4), nil)
 	api := &stripeAPI{}
 	srv := httptest.NewServer(api)
 	t.Cleanup(srv.Close)
@@ -111,7 +111,7 @@ func TestTransportOverStripeGo(t *testing.T) {
 func TestTransportKeySpellings(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	c := idem.New(testdb.Pool(t, testdb.New(t), 4), nil)
+	c := testdb.Client(t, testdb.Pool(t, testdb.New(t), 4), nil)
 	var mu sync.Mutex
 	var seen [][]string
 	stub := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {

@@ -18,8 +18,8 @@ import (
 	standardwebhooks "github.com/standard-webhooks/standard-webhooks/libraries/go"
 	"github.com/stripe/stripe-go/v85/webhook"
 
-	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/idemhttp"
+	"github.com/idemkit/idem/internal/testdb"
 )
 
 // Example deliveries as the senders document them.
@@ -328,7 +328,7 @@ func TestGitHubDocumentedSignature(t *testing.T) {
 // verification is said to happen upstream.
 func TestPresetWithoutSecret(t *testing.T) {
 	t.Parallel()
-	c := idem.New(nil, nil)
+	c := testdb.Client(t, testdb.Pool(t, testdb.New(t), 1), nil)
 	for _, p := range []idemhttp.Preset{idemhttp.Stripe(), idemhttp.GitHub(), idemhttp.Shopify(), idemhttp.StandardWebhooks()} {
 		if _, err := idemhttp.New(idemhttp.Config{Client: c}.Apply(p)); err == nil || !strings.Contains(err.Error(), "VerifiedUpstream") {
 			t.Errorf("no secret: %v, want a refusal naming VerifiedUpstream", err)

@@ -183,7 +183,7 @@ func TestStandardWebhooksKeyIsTheSignedID(t *testing.T) {
 // (an unset environment variable next to the new secret).
 func TestEmptySecretRefused(t *testing.T) {
 	t.Parallel()
-	c := idem.New(nil, nil)
+	c := testdb.Client(t, testdb.Pool(t, testdb.New(t), 1), nil)
 	good := map[string]string{"stripe": "whsec_genuine", "github": "gh secret", "shopify": "shpss_x",
 		"webhooks": "whsec_" + base64.StdEncoding.EncodeToString([]byte("a genuine key of 24 bytes"))}
 	presets := map[string]func(...string) idemhttp.Preset{"stripe": idemhttp.Stripe, "github": idemhttp.GitHub,
@@ -371,7 +371,7 @@ func TestRetryWithDifferentBody(t *testing.T) {
 func TestOneEndpointPerSource(t *testing.T) {
 	t.Parallel()
 	s := senderNamed("stripe")
-	c := idem.New(testdb.Pool(t, testdb.New(t), 8), nil)
+	c := testdb.Client(t, testdb.Pool(t, testdb.New(t), 8), nil)
 	build := func(cfg idemhttp.Config, p idemhttp.Preset, h http.Handler) (*httptest.Server, error) {
 		cfg.Client = c
 		if p != nil {
@@ -572,7 +572,7 @@ func TestBodyFingerprintedKeysAfterUpgrade(t *testing.T) {
 			srv, pool := setup(t, idemhttp.Config{}.Apply(s.preset(s.secret)), http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				runs.Add(1)
 			}))
-			c := idem.New(pool, nil)
+			c := testdb.Client(t, pool, nil)
 			cl, err := c.Claim(ctx, s.source, s.key, idem.WithFingerprint(idem.Fingerprint([]byte(s.body))))
 			if err != nil {
 				t.Fatal(err)

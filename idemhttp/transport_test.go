@@ -76,7 +76,10 @@ func TestTransport(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool := testdb.Pool(t, testdb.New(t), 4)
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	var mu sync.Mutex
 	var got []string
 	stub := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -207,7 +210,7 @@ func TestInboundToOutbound(t *testing.T) {
 		}
 		io.WriteString(w, id)
 	}))
-	c = idem.New(pool, nil)
+	c = testdb.Client(t, pool, nil)
 	var answers []string
 	for range 3 {
 		r := send(t, srv, "POST", "/orders", `{"order":1}`, map[string]string{"Idempotency-Key": "order-1"})
@@ -229,7 +232,10 @@ func ExampleNewTransport() {
 	ctx := context.Background()
 	pool, done := testdb.ExamplePool()
 	defer done()
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
 
 	p := &provider{dropFirst: true} // a Stripe-like API: it honours Idempotency-Key
 	api := httptest.NewServer(p)

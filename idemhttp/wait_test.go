@@ -51,7 +51,10 @@ func TestWaitForOriginal(t *testing.T) {
 			}
 			pool := testdb.Pool(t, url, 16)
 			var logs testdb.Buffer
-			c := idem.New(pool, &idem.Config{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+			c, err := idem.New(pool, &idem.Config{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+			if err != nil {
+				t.Fatal(err)
+			}
 			var runs atomic.Int64
 			var finished atomic.Int64 // unix nanos when the work ended
 			h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {

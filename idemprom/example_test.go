@@ -24,7 +24,10 @@ func ExampleNew() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	c := idem.New(pool, &idem.Config{Observer: metrics})
+	c, err := idem.New(pool, &idem.Config{Observer: metrics})
+	if err != nil {
+		log.Fatal(err)
+	}
 	for range 3 {
 		if _, err := c.Do(ctx, "stripe", "evt_1", func(ctx context.Context) (any, error) { return "ok", nil }); err != nil {
 			log.Fatal(err)

@@ -3,7 +3,7 @@
 // state):
 //
 //	m, err := idemprom.New(prometheus.DefaultRegisterer) // or your registry
-//	client := idem.New(pool, &idem.Config{Observer: m})
+//	client, err := idem.New(pool, &idem.Config{Observer: m})
 //	mw, err := idemhttp.New(idemhttp.Config{Client: client, Observer: m, ...})
 //
 // Metrics (docs/operations.md has alerting rules built on them):

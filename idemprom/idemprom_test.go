@@ -35,7 +35,10 @@ func setup(t *testing.T) (*prometheus.Registry, *idem.Client, *httptest.Server, 
 		t.Fatal(err)
 	}
 	pool := testdb.Pool(t, testdb.New(t), 8)
-	client := idem.New(pool, &idem.Config{Observer: m})
+	client, err := idem.New(pool, &idem.Config{Observer: m})
+	if err != nil {
+		t.Fatal(err)
+	}
 	mw, err := idemhttp.New(idemhttp.Config{Client: client, Observer: m}.Apply(idemhttp.GitHub(secret)))
 	if err != nil {
 		t.Fatal(err)

@@ -81,6 +81,7 @@ func (in *Inbox) AcceptTx(ctx context.Context, tx pgx.Tx, d *Delivery) (Acceptan
 	id, err := in.enqueue(ctx, tx, cl, Job{
 		Source: d.Source, Key: d.Key, EventType: d.EventType, Payload: d.Payload, Header: d.Header,
 		AcceptedAt: accepted.UTC(), TTLMillis: d.TTL.Milliseconds(), LeaseMillis: d.Lease.Milliseconds(),
+		MaxAttempts: in.maxAttempts(d.Source),
 	})
 	if err != nil {
 		return Acceptance{}, err
@@ -114,7 +115,7 @@ func (in *Inbox) claimOptions(fingerprint, eventType string, ttl time.Duration) 
 // come here.
 func (in *Inbox) enqueue(ctx context.Context, tx pgx.Tx, cl *idem.Claim, j Job) (int64, error) {
 	j.Token, j.FirstSeen, j.ExpiresAt = cl.Token, cl.FirstSeen, cl.ExpiresAt
-	res, err := in.insert.InsertTx(ctx, tx, j, in.insertOpts(j.Source, j.Key))
+	res, err := in.insert.InsertTx(ctx, tx, j, in.insertOpts(j))
 	if err != nil {
 		return 0, fmt.Errorf("inbox: enqueue %q/%q: %w", j.Source, j.Key, err)
 	}
@@ -133,10 +134,18 @@ func (in *Inbox) enqueue(ctx context.Context, tx pgx.Tx, cl *idem.Claim, j Job) 
 	return res.Job.ID, nil
 }
 
-// insertOpts are the options of an inbox job's insert.
-func (in *Inbox) insertOpts(source, key string) *river.InsertOpts {
-	meta, _ := json.Marshal(map[string]string{"idem_source": source, "idem_key": key})
-	return &river.InsertOpts{Queue: in.cfg.Queue, MaxAttempts: in.maxAttempts(source), Metadata: meta}
+// insertOpts are the options of an inbox job's insert: the attempts the
+// job's event was accepted with (Job.MaxAttempts), else this Inbox's.
+func (in *Inbox) insertOpts(j Job) *river.InsertOpts {
+	// The event type and acceptance time are in the metadata too, so that
+	// listing dead letters never reads the args, which hold the payload.
+	meta, _ := json.Marshal(map[string]string{"idem_source": j.Source, "idem_key": j.Key,
+		"idem_event_type": j.EventType, "idem_accepted_at": j.AcceptedAt.UTC().Format(time.RFC3339Nano)})
+	n := j.MaxAttempts
+	if n < 1 {
+		n = in.maxAttempts(j.Source)
+	}
+	return &river.InsertOpts{Queue: in.cfg.Queue, MaxAttempts: n, Metadata: meta}
 }
 
 // errorsIsNotFound: River has no such job (removed meanwhile).

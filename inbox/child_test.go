@@ -39,7 +39,11 @@ func child() int {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
 	rt, _ := idemhttp.NewTransport(nil, nil)
 	hc := &http.Client{Transport: rt}
 	hang := os.Getenv("CHILD_HANG") != ""

@@ -83,7 +83,61 @@ type DeadLetter struct {
 	State       rivertype.JobState `json:"state"`
 	PayloadLost bool               `json:"payload_lost"`
 	token       int64
-	job         Job
+}
+
+// deadJob is what a dead letter shows of its River job: never its args,
+// which hold the payload (up to the body limit), except the event type and
+// acceptance time of jobs enqueued before they were in its metadata.
+type deadJob struct {
+	attempt    int
+	state      rivertype.JobState
+	eventType  string
+	acceptedAt time.Time
+}
+
+// deadJobs reads the River jobs ids, in one query.
+func (in *Inbox) deadJobs(ctx context.Context, ids []int64) (map[int64]deadJob, error) {
+	out := make(map[int64]deadJob, len(ids))
+	if len(ids) == 0 {
+		return out, nil
+	}
+	rows, err := in.cfg.Pool.Query(ctx, `SELECT id, attempt, state::text,
+	       coalesce(metadata->>'idem_event_type', CASE WHEN NOT metadata ? 'idem_accepted_at' THEN args->>'event_type' END, ''),
+	       coalesce(metadata->>'idem_accepted_at', args->>'accepted_at', '')
+	  FROM `+riverTable(in.cfg.Schema, "river_job")+` WHERE id = ANY($1)`, ids)
+	if err != nil {
+		if sqlstate.Of(err) == sqlstate.UndefinedTable {
+			return nil, errNotMigrated
+		}
+		return nil, fmt.Errorf("inbox: the dead letters' jobs: %w", err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var id int64
+		var j deadJob
+		var state, at string
+		if err := rows.Scan(&id, &j.attempt, &state, &j.eventType, &at); err != nil {
+			return nil, fmt.Errorf("inbox: the dead letters' jobs: %w", err)
+		}
+		j.state = rivertype.JobState(state)
+		j.acceptedAt, _ = time.Parse(time.RFC3339Nano, at)
+		out[id] = j
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("inbox: the dead letters' jobs: %w", err)
+	}
+	return out, nil
+}
+
+// stillDead: (source, key) is still the dead letter of job with token.
+func (in *Inbox) stillDead(ctx context.Context, source, key string, job, token int64) (bool, error) {
+	since, until, _ := Filter{}.params()
+	again, err := pgxdb.New(in.cfg.Pool).QueueDead(ctx, pgxdb.QueueDeadParams{Source: source, Key: key,
+		Since: since, Until: until, MaxRows: 1})
+	if err != nil {
+		return false, fmt.Errorf("inbox: list dead letters: %w", err)
+	}
+	return len(again) == 1 && again[0].JobID == job && again[0].Token == token, nil
 }
 
 // DeadLetters lists dead-lettered events, oldest first.
@@ -102,24 +156,36 @@ func (in *Inbox) DeadLetters(ctx context.Context, f Filter) ([]DeadLetter, error
 		return nil, fmt.Errorf("inbox: list dead letters: %w", err)
 	}
 	out := make([]DeadLetter, 0, len(holds))
+	ids := make([]int64, 0, len(holds))
+	for _, h := range holds {
+		if h.JobID != 0 {
+			ids = append(ids, h.JobID)
+		}
+	}
+	jobs, err := in.deadJobs(ctx, ids)
+	if err != nil {
+		return nil, err
+	}
 	for _, h := range holds {
 		d := DeadLetter{JobID: h.JobID, Source: h.Source, Key: h.Key, LastError: h.Error, AcceptedAt: h.HeldAt.Time, token: h.Token, PayloadLost: true}
 		if h.DeadAt.Valid {
 			d.FailedAt = h.DeadAt.Time
 		}
-		if h.JobID != 0 {
-			row, err := in.insert.JobGet(ctx, h.JobID)
-			switch {
-			case err == nil:
-				if err := json.Unmarshal(row.EncodedArgs, &d.job); err != nil {
-					return nil, fmt.Errorf("inbox: job %d: %w", row.ID, err)
-				}
-				d.EventType, d.Attempts, d.State, d.PayloadLost = d.job.EventType, row.Attempt, row.State, false
-				d.AcceptedAt = d.job.AcceptedAt
-			case sqlstate.Of(err) == sqlstate.UndefinedTable:
-				return nil, errNotMigrated
-			case !errorsIsNotFound(err):
-				return nil, fmt.Errorf("inbox: job %d: %w", h.JobID, err)
+		if j, ok := jobs[h.JobID]; ok {
+			d.EventType, d.Attempts, d.State, d.PayloadLost = j.eventType, j.attempt, j.state, false
+			if !j.acceptedAt.IsZero() {
+				d.AcceptedAt = j.acceptedAt
+			}
+		} else if h.JobID != 0 {
+			// The job is gone: its payload is lost, unless a replay (or a
+			// redelivery) took the event over meanwhile and removed the
+			// dead job, when it is no longer a dead letter.
+			still, err := in.stillDead(ctx, h.Source, h.Key, h.JobID, h.Token)
+			if err != nil {
+				return nil, err
+			}
+			if !still {
+				continue
 			}
 		}
 		out = append(out, d)
@@ -161,8 +227,32 @@ func (in *Inbox) Replay(ctx context.Context, f Filter) ([]ReplayResult, error) {
 			out = append(out, r)
 			continue
 		}
-		err := pgx.BeginFunc(ctx, in.cfg.Pool, func(tx pgx.Tx) error {
-			j := d.job
+		var j Job
+		row, err := in.insert.JobGet(ctx, d.JobID)
+		switch {
+		case err == nil:
+			if err := json.Unmarshal(row.EncodedArgs, &j); err != nil {
+				return out, fmt.Errorf("inbox: job %d: %w", row.ID, err)
+			}
+			if j.MaxAttempts < 1 { // accepted by an earlier version: its job's
+				j.MaxAttempts = row.MaxAttempts
+			}
+		case errorsIsNotFound(err):
+			// Gone since it was listed: replayed meanwhile, or lost.
+			still, err := in.stillDead(ctx, d.Source, d.Key, d.JobID, d.token)
+			if err != nil {
+				return out, err
+			}
+			r.Outcome = "in progress"
+			if still {
+				r.Outcome, r.Error = "payload lost", "the job and its payload are gone; have the sender deliver the event again"
+			}
+			out = append(out, r)
+			continue
+		default:
+			return out, fmt.Errorf("inbox: job %d: %w", d.JobID, err)
+		}
+		err = pgx.BeginFunc(ctx, in.cfg.Pool, func(tx pgx.Tx) error {
 			p := pgxdb.QueueReplayParams{Source: d.Source, Key: d.Key, JobToken: d.token}
 			if ttl := j.TTLMillis; ttl > 0 {
 				p.TtlMs = &ttl

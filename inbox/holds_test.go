@@ -74,7 +74,10 @@ func TestDocumentedSetup(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer pool.Close()
-			c := idem.New(pool, nil)
+			c, err := idem.New(pool, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
 			var effects atomic.Int64
 			in, err := inbox.New(inbox.Config{Pool: pool, Handler: func(ctx context.Context, tx pgx.Tx, d *inbox.Delivery) (any, error) {
 				if _, err := c.Effect(ctx, "notify", func(ctx context.Context) (any, error) {
@@ -279,7 +282,10 @@ func TestRescueRace(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	_, pool := setup(t)
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	var effects, commits atomic.Int64
 	firstIn := make(chan int64, 1)
 	release := make(chan struct{})
@@ -414,7 +420,10 @@ func TestAsyncRetention(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	mw, err := idemhttp.New(idemhttp.Config{Client: c, Async: in, Lease: 45 * time.Second}.Apply(idemhttp.Stripe("whsec_r")))
 	if err != nil {
 		t.Fatal(err)

@@ -198,10 +198,12 @@ func New(cfg Config) (*Inbox, error) {
 		}
 	}
 	in := &Inbox{cfg: cfg, idem: cfg.Idem}
-	if in.idem == nil {
-		in.idem = idem.New(cfg.Pool, &idem.Config{Logger: cfg.Logger})
-	}
 	var err error
+	if in.idem == nil {
+		if in.idem, err = idem.New(cfg.Pool, &idem.Config{Logger: cfg.Logger}); err != nil {
+			return nil, err
+		}
+	}
 	in.insert, err = river.NewClient(riverpgxv5.New(cfg.Pool), &river.Config{Logger: quiet(cfg.Logger), Schema: cfg.Schema})
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)

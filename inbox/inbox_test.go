@@ -407,7 +407,7 @@ func TestAsyncHTTP(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	mw, err := idemhttp.New(idemhttp.Config{Client: idem.New(pool, nil), Async: in}.Apply(idemhttp.Stripe("whsec_async")))
+	mw, err := idemhttp.New(idemhttp.Config{Client: testdb.Client(t, pool, nil), Async: in}.Apply(idemhttp.Stripe("whsec_async")))
 	if err != nil {
 		t.Fatal(err)
 	}

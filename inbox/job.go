@@ -34,6 +34,11 @@ type Job struct {
 	// The delivery's own retention and lease (0: the Inbox's).
 	TTLMillis   int64 `json:"ttl_ms,omitempty"`
 	LeaseMillis int64 `json:"lease_ms,omitempty"`
+	// MaxAttempts is the attempts the Inbox that accepted the event allowed
+	// its source (Config.MaxAttempts): a replay or a repair, whichever
+	// process runs it (idemctl, the dashboard), enqueues the new job with
+	// it. 0 in jobs of earlier versions: their River job's max attempts.
+	MaxAttempts int `json:"max_attempts,omitempty"`
 }
 
 // Kind implements river.JobArgs.

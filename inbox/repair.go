@@ -86,7 +86,7 @@ func (in *Inbox) Repair(ctx context.Context) (RepairReport, error) {
 				if err := json.Unmarshal(o.args, &j); err != nil {
 					return fmt.Errorf("job %d: %w", o.job, err)
 				}
-				res, err := in.insert.InsertTx(ctx, tx, j, in.insertOpts(j.Source, j.Key))
+				res, err := in.insert.InsertTx(ctx, tx, j, in.insertOpts(j))
 				if err != nil {
 					return err
 				}

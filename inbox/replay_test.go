@@ -15,9 +15,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/idemhttp"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/testdb"
 )
 
 // bodySigned is a sender whose signature covers the body only.
@@ -77,7 +77,7 @@ func TestReplayGuard(t *testing.T) {
 					w.Header().Set("Content-Type", "application/json")
 					fmt.Fprintf(w, `{"run":%d}`, runs.Load())
 				})
-				cfg := idemhttp.Config{Client: idem.New(pool, nil)}
+				cfg := idemhttp.Config{Client: testdb.Client(t, pool, nil)}
 				if async {
 					in, err := inbox.New(inbox.Config{Pool: pool, Handler: inbox.FromHTTP(h)})
 					if err != nil {
@@ -170,7 +170,7 @@ func TestNoSecretsAtRest(t *testing.T) {
 	}
 	start(t, in, 2, nil)
 	for _, preset := range []string{"github", "ietf"} {
-		cfg := idemhttp.Config{Client: idem.New(pool, nil), Async: in, Source: "api"}
+		cfg := idemhttp.Config{Client: testdb.Client(t, pool, nil), Async: in, Source: "api"}
 		if preset == "github" {
 			cfg.Source = ""
 			cfg = cfg.Apply(idemhttp.GitHub(bodySecret))

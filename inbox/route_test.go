@@ -28,7 +28,10 @@ func TestOneLineSetup(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	_, pool := setup(t)
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	in, err := inbox.New(inbox.Config{Pool: pool, RetryPolicy: fast{}, MaxAttempts: map[string]int{"shopify": 2}})
 	if err != nil {
 		t.Fatal(err)

@@ -29,6 +29,7 @@ import (
 	"github.com/idemkit/idem/idemhttp"
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/pgcluster"
+	"github.com/idemkit/idem/internal/testdb"
 	"github.com/idemkit/idem/migrate"
 )
 
@@ -170,7 +171,7 @@ func TestInboxStorm(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	mw, err := idemhttp.New(idemhttp.Config{Client: idem.New(web, nil), Async: in, Source: "storm",
+	mw, err := idemhttp.New(idemhttp.Config{Client: testdb.Client(t, web, nil), Async: in, Source: "storm",
 		Key: idemhttp.HeaderKey("", "X-Event-Id"), VerifiedUpstream: true, Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		t.Fatal(err)

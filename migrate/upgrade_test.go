@@ -68,7 +68,10 @@ func TestUpgradeTo4(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer pool.Close()
-		c := idem.New(pool, nil)
+		c, err := idem.New(pool, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
 		if cl, err := c.Claim(ctx, "up", "done-2"); err != nil || cl.Outcome != idem.Completed || string(cl.Result) != `{"v": 2}` {
 			t.Fatalf("%s: a key completed two months ago: %+v %v", stage, cl, err)
 		}
@@ -94,7 +97,10 @@ func TestUpgradeTo4(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		c := idem.New(pool, nil)
+		c, err := idem.New(pool, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
 		if err := c.Complete(ctx, "up", "v3-claimed", leasedToken, json.RawMessage(`{"v": 3}`)); err != nil {
 			t.Fatalf("completing a version-3 claim with its token: %v", err)
 		}
@@ -172,7 +178,10 @@ func TestUpgradeTo5(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer pool.Close()
-		c := idem.New(pool, nil)
+		c, err := idem.New(pool, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
 		for key, want := range map[[2]string]string{{"up", "extended-4"}: `{"v": 4}`, {"up", "done-3"}: `{"v": 3}`, {"year", "old-8"}: `{"v": 8}`} {
 			if cl, err := c.Claim(ctx, key[0], key[1]); err != nil || cl.Outcome != idem.Completed || string(cl.Result) != want {
 				t.Fatalf("%s: %v: %+v %v", stage, key, cl, err)
@@ -215,7 +224,7 @@ func TestUpgradeTo5(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := idem.New(pool, nil).Complete(ctx, "up", "leased-1", 42, json.RawMessage(`{"v": 1}`)); err != nil {
+	if err := testdb.Client(t, pool, nil).Complete(ctx, "up", "leased-1", 42, json.RawMessage(`{"v": 1}`)); err != nil {
 		t.Fatalf("completing a version-4 lease with its token: %v", err)
 	}
 	pool.Close()

@@ -32,6 +32,9 @@ type IdemAdoption struct {
 	StartedAt    pgtype.Timestamptz
 	UpdatedAt    pgtype.Timestamptz
 	FinishedAt   pgtype.Timestamptz
+	Future       int64
+	BadKeys      int64
+	NoStamp      int64
 }
 
 type IdemDuplicateCount struct {

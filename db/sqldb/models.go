@@ -35,6 +35,9 @@ type IdemAdoption struct {
 	StartedAt    sql.NullTime
 	UpdatedAt    sql.NullTime
 	FinishedAt   sql.NullTime
+	Future       int64
+	BadKeys      int64
+	NoStamp      int64
 }
 
 type IdemDuplicateCount struct {

@@ -53,7 +53,11 @@ func main() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	rc := &receiver.Receiver{Pool: pool, Idem: idem.New(pool, nil), API: api}
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+	rc := &receiver.Receiver{Pool: pool, Idem: c, API: api}
 	h, err := rc.Handler(nil, secrets...)
 	if err != nil {
 		log.Fatal(err)

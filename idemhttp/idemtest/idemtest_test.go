@@ -10,7 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/idemhttp"
 	"github.com/idemkit/idem/idemhttp/idemtest"
 	"github.com/idemkit/idem/internal/testdb"
@@ -47,7 +46,7 @@ func TestSenders(t *testing.T) {
 				time.Sleep(50 * time.Millisecond) // in flight while the copies arrive
 				w.Write([]byte("done\n"))
 			}))
-			mw, err := idemhttp.New(idemhttp.Config{Client: idem.New(pool, nil)}.Apply(tc.preset))
+			mw, err := idemhttp.New(idemhttp.Config{Client: testdb.Client(t, pool, nil)}.Apply(tc.preset))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -121,7 +120,7 @@ func TestOnReplay(t *testing.T) {
 	pool := testdb.Pool(t, testdb.New(t), 8)
 	var mu sync.Mutex
 	var seen []idemhttp.Replay
-	mw, err := idemhttp.New(idemhttp.Config{Client: idem.New(pool, nil), OnReplay: func(r *http.Request, h http.Header, rp idemhttp.Replay) {
+	mw, err := idemhttp.New(idemhttp.Config{Client: testdb.Client(t, pool, nil), OnReplay: func(r *http.Request, h http.Header, rp idemhttp.Replay) {
 		mu.Lock()
 		defer mu.Unlock()
 		seen = append(seen, rp)

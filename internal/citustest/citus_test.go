@@ -127,7 +127,10 @@ func TestCitusDelegated(t *testing.T) {
 	pool := setup(t)
 	trackFunctions(t, pool)
 	ctx := context.Background()
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	const n = 400
 	for i := range n {
 		key := "k" + strconv.Itoa(i)
@@ -193,7 +196,7 @@ func TestCitusDelegated(t *testing.T) {
 
 	// A claim Citus does not delegate (its key comes from another query)
 	// is refused, never run with a lock the owning node does not see.
-	_, err := pool.Exec(ctx, `SELECT (idem.claim('c', v.k)).outcome FROM (VALUES ('undelegated')) v(k)`)
+	_, err = pool.Exec(ctx, `SELECT (idem.claim('c', v.k)).outcome FROM (VALUES ('undelegated')) v(k)`)
 	var pgErr *pgconn.PgError
 	if !errors.As(err, &pgErr) || pgErr.Code != sqlstate.NotDelegated {
 		t.Fatalf("an undelegated claim: %v, want SQLSTATE %s", err, sqlstate.NotDelegated)
@@ -210,7 +213,10 @@ func TestCitusDelegated(t *testing.T) {
 func race(t *testing.T, pool *pgxpool.Pool, keys []string, clients int, stop <-chan struct{}) map[string]int {
 	t.Helper()
 	ctx := context.Background()
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	var mu sync.Mutex
 	runs := map[string]int{}
 	var calls atomic.Int64
@@ -434,7 +440,10 @@ func TestCitusMaintenance(t *testing.T) {
 func TestCitusEveryAcquisition(t *testing.T) {
 	pool := setup(t)
 	ctx := context.Background()
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	claim := func(key string) (outcome string, attempt int) {
 		t.Helper()
 		if err := pool.QueryRow(ctx, `SELECT outcome, coalesce(attempt, 0) FROM idem.claim('c', $1)`, key).Scan(&outcome, &attempt); err != nil {

@@ -60,7 +60,10 @@ func TestCrashMidWork(t *testing.T) {
 		t.Fatalf("%d keys in processing after the crash, want %d", n, keys)
 	}
 
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	// Within the lease the dead worker still owns them.
 	if cl, err := c.Claim(ctx, "crash", "job-00000"); err != nil || cl.Outcome != idem.InProgress {
 		t.Fatalf("right after the crash: %+v %v", cl, err)
@@ -120,7 +123,10 @@ func TestConnectionLossInsideAppTransaction(t *testing.T) {
 	if _, err := pool.Exec(ctx, `CREATE TABLE ledger (event_id text PRIMARY KEY, amount int)`); err != nil {
 		t.Fatal(err)
 	}
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	handle := func(kill bool) error {
 		conn, err := pool.Acquire(ctx)
 		if err != nil {
@@ -189,7 +195,10 @@ func TestServerRestart(t *testing.T) {
 	if _, err := pool.Exec(ctx, `CREATE TABLE effects (key text PRIMARY KEY)`); err != nil {
 		t.Fatal(err)
 	}
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	keys, restarts := scale(400, 4000), scale(1, 5)
 	var retried, handled atomic.Int64
 	handle := func(key string) error {
@@ -291,7 +300,10 @@ func TestThroughPgBouncer(t *testing.T) {
 	}
 	bouncer := testdb.PgBouncer(t, db)
 	bp := testdb.Pool(t, bouncer, 24)
-	c := idem.New(bp, nil)
+	c, err := idem.New(bp, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	var runs sync.Map
 	var wg sync.WaitGroup
 	for k := range 200 {

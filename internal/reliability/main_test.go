@@ -42,7 +42,11 @@ func helper() int {
 	n, _ := strconv.Atoi(os.Getenv("HELPER_KEYS"))
 	lease, _ := time.ParseDuration(os.Getenv("HELPER_LEASE"))
 	pool := mustPool(os.Getenv("HELPER_URL"))
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "helper:", err)
+		return 1
+	}
 	for i := range n {
 		cl, err := c.Claim(ctx, "crash", fmt.Sprintf("job-%05d", i), idem.WithLease(lease))
 		if err != nil || cl.Outcome != idem.Acquired {

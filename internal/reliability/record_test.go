@@ -38,7 +38,7 @@ func TestSenderHangsUpMidHandler(t *testing.T) {
 		w.Header().Set("Content-Type", "application/json")
 		fmt.Fprint(w, `{"paid":true}`)
 	})
-	mw, err := idemhttp.New(idemhttp.Config{Client: idem.New(pool, nil), Source: "sender", Lease: 2 * time.Second})
+	mw, err := idemhttp.New(idemhttp.Config{Client: testdb.Client(t, pool, nil), Source: "sender", Lease: 2 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -92,7 +92,10 @@ func TestRecordingFailures(t *testing.T) {
 	t.Parallel()
 	url := testdb.New(t)
 	pool := testdb.Pool(t, url, 8)
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	ctx := context.Background()
 
 	// check runs the key again and asserts it is done and was not re-run.
@@ -196,7 +199,10 @@ func TestRecordingFailures(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer victim.Close()
-		vc := idem.New(victim, &idem.Config{HeartbeatFraction: -1})
+		vc, err := idem.New(victim, &idem.Config{HeartbeatFraction: -1})
+		if err != nil {
+			t.Fatal(err)
+		}
 		n := scale(10, 200)
 		for i := range n {
 			var runs atomic.Int64
@@ -228,7 +234,10 @@ func TestRecordingFailures(t *testing.T) {
 		}
 		bp := testdb.Pool(t, bouncer, 24)
 		var logs testdb.Buffer
-		bc := idem.New(bp, &idem.Config{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+		bc, err := idem.New(bp, &idem.Config{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+		if err != nil {
+			t.Fatal(err)
+		}
 		var runs sync.Map
 		var wg sync.WaitGroup
 		keys := scale(300, 3000)
@@ -296,14 +305,17 @@ func TestClockSkew(t *testing.T) {
 				INSERT INTO idem.policies (source, ttl, lease) VALUES ('skew', interval '1 hour', interval '3 seconds')`); err != nil {
 				t.Fatal(err)
 			}
-			c := idem.New(pool, nil)
+			c, err := idem.New(pool, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
 			var runs, stolen atomic.Int64
 			done := make(chan struct{})
 			var wg sync.WaitGroup
 			wg.Add(1)
+			other := testdb.Client(t, pool, nil)
 			go func() { // the duplicate
 				defer wg.Done()
-				other := idem.New(pool, nil)
 				for {
 					select {
 					case <-done:
@@ -320,7 +332,7 @@ func TestClockSkew(t *testing.T) {
 					}
 				}
 			}()
-			_, err := c.Do(ctx, "skew", "evt", func(context.Context) (any, error) {
+			_, err = c.Do(ctx, "skew", "evt", func(context.Context) (any, error) {
 				runs.Add(1)
 				time.Sleep(7 * time.Second)
 				return "ok", nil
@@ -345,7 +357,10 @@ func TestDuplicateBehindOpenTransaction(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool := testdb.Pool(t, testdb.New(t), 8)
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	tx, err := pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -362,7 +377,7 @@ func TestDuplicateBehindOpenTransaction(t *testing.T) {
 		bound  time.Duration
 	}{
 		{"default lock wait (5s)", c, nil, 5 * time.Second},
-		{"Config.LockWait", idem.New(pool, &idem.Config{LockWait: 300 * time.Millisecond}), nil, 300 * time.Millisecond},
+		{"Config.LockWait", testdb.Client(t, pool, &idem.Config{LockWait: 300 * time.Millisecond}), nil, 300 * time.Millisecond},
 		{"WithLockWait(0)", c, []idem.ClaimOption{idem.WithLockWait(0)}, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -83,7 +83,10 @@ func TestLeastPrivilege(t *testing.T) {
 
 	t.Run("application role", func(t *testing.T) {
 		app := asRole(t, url, appRole)
-		c := idem.New(app, nil)
+		c, err := idem.New(app, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
 		cl, err := c.Claim(ctx, "stripe", "evt_priv")
 		if err != nil || cl.Outcome != idem.Acquired {
 			t.Fatalf("claim as the app role: %+v %v", cl, err)
@@ -193,7 +196,10 @@ func TestSearchPathHijack(t *testing.T) {
 		t.Fatalf("the look-alike objects are not on the caller's path: %v", err)
 	}
 	// ...and never inside idem's functions, whose answers stay right.
-	c := idem.New(p, nil)
+	c, err := idem.New(p, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	cl, err := c.Claim(ctx, "stripe", "evt_sp", idem.WithFingerprint("a"))
 	if err != nil || cl.Outcome != idem.Acquired {
 		t.Fatalf("claim with a hostile search_path: %+v %v", cl, err)
@@ -233,7 +239,10 @@ func TestHostileSources(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool := testdb.Pool(t, testdb.New(t), 4)
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	for _, src := range []string{
 		`x'); DROP TABLE idem.policies; --`,
 		`"quoted" source`,
@@ -274,7 +283,10 @@ func TestTokenGuessing(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool := testdb.Pool(t, testdb.New(t), 4)
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	var known int64
 	for i := range 50 {
 		cl, err := c.Claim(ctx, "guess", fmt.Sprintf("k%02d", i))

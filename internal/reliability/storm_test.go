@@ -71,7 +71,10 @@ func TestDuplicateStorm(t *testing.T) {
 		}
 	}()
 
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	var (
 		runs       sync.Map
 		deliveries atomic.Int64

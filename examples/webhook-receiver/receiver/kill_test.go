@@ -48,7 +48,12 @@ func child() int {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
-	rc := &receiver.Receiver{Pool: pool, Idem: idem.New(pool, nil), API: api}
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	rc := &receiver.Receiver{Pool: pool, Idem: c, API: api}
 	h, err := rc.Handler(slog.New(slog.NewTextHandler(os.Stderr, nil)), secret)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)

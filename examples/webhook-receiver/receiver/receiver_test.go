@@ -17,7 +17,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stripe/stripe-go/v85/webhook"
 
-	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/examples/webhook-receiver/receiver"
 	"github.com/idemkit/idem/internal/testdb"
 )
@@ -73,7 +72,7 @@ func newWorld(t *testing.T) *world {
 // serve runs the receiver behind idemhttp's Stripe preset.
 func serve(t *testing.T, w *world) *httptest.Server {
 	t.Helper()
-	rc := &receiver.Receiver{Pool: w.pool, Idem: idem.New(w.pool, nil), API: w.api}
+	rc := &receiver.Receiver{Pool: w.pool, Idem: testdb.Client(t, w.pool, nil), API: w.api}
 	h, err := rc.Handler(nil, secret)
 	if err != nil {
 		t.Fatal(err)

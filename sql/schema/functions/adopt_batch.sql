@@ -7,10 +7,14 @@ CREATE OR REPLACE FUNCTION idem.adopt_batch(id bigint, batch_size integer, OUT r
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
 DECLARE
-    a      idem.adoptions;
-    e      record;
-    v_now  timestamptz := idem.clock();
-    v_last text;
+    a        idem.adoptions;
+    e        record;
+    v_now    timestamptz := idem.clock();
+    v_last   text;
+    v_future bigint;
+    v_bad    bigint;
+    v_nostamp bigint;
+    v_nulls  bigint := 0;
 BEGIN
     IF adopt_batch.batch_size IS NULL OR adopt_batch.batch_size < 1 OR adopt_batch.batch_size > 1000000 THEN
         RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = format('idem.adopt_batch: batch_size %s must be between 1 and 1000000', adopt_batch.batch_size);
@@ -25,35 +29,58 @@ BEGIN
         RETURN;
     END IF;
     SELECT * INTO e FROM idem.adopt_exprs(a);
+    -- A legacy relation that would run its owner's code as this reader
+    -- (made a view, given row level security since adopt_start) is
+    -- refused (idem.check_legacy, migration 14).
+    PERFORM idem.check_legacy(a.legacy);
+    -- (version 15) Legacy rows as they really are: a NULL key is never
+    -- paged over (counted once, at the end), a key idem cannot hold
+    -- (empty, blank, over 512 bytes) or a row with no processed-at is
+    -- skipped and counted, a processed-at in the future is taken as now
+    -- (counted), and of several rows of one key in a batch the latest is
+    -- kept.
     EXECUTE format($q$
         WITH src AS (
             SELECT %1$s AS key, l.%2$I AS ord, %3$s AS at, %4$s AS result
               FROM %5$s l
-             WHERE $1::text IS NULL OR l.%2$I > $1::%6$s
+             WHERE l.%2$I IS NOT NULL AND ($1::text IS NULL OR l.%2$I > $1::%6$s)
              ORDER BY l.%2$I
              LIMIT $2),
+        valid AS (
+            SELECT DISTINCT ON (s.key) s.key, LEAST(s.at, $4) AS at, s.at > $4 AS future, s.result
+              FROM src s
+             WHERE s.at IS NOT NULL
+               AND octet_length(s.key) BETWEEN 1 AND 512 AND btrim(s.key, E' \t\r\n') <> ''
+             ORDER BY s.key, s.at DESC),
         ins AS (
             INSERT INTO idem.processed_events AS p
                    (source, key, first_seen_month, status, attempts, token, result, first_seen, updated_at, completed_at, expires_at)
-            SELECT $3, s.key, idem.utc_month(s.at), 'completed', 1, idem.new_token(), s.result, s.at, $4, s.at, s.at + $5
-              FROM src s
-             WHERE s.at + $5 > $4
-               AND octet_length(s.key) BETWEEN 1 AND 512 AND btrim(s.key, E' 	
-') <> ''
+            SELECT $3, v.key, idem.utc_month(v.at), 'completed', 1, idem.new_token(), v.result, v.at, $4, v.at, v.at + $5
+              FROM valid v
+             WHERE v.at + $5 > $4
                AND NOT EXISTS (SELECT 1 FROM idem.processed_events x
-                                WHERE x.source = $3 AND x.key = s.key AND x.expires_at > $4)
+                                WHERE x.source = $3 AND x.key = v.key AND x.expires_at > $4)
             ON CONFLICT DO NOTHING
             RETURNING 1)
         SELECT (SELECT count(*) FROM src), (SELECT count(*) FROM ins),
-               (SELECT s.ord::text FROM src s ORDER BY s.ord DESC LIMIT 1)$q$,
+               (SELECT s.ord::text FROM src s ORDER BY s.ord DESC LIMIT 1),
+               (SELECT count(*) FROM valid v WHERE v.future),
+               (SELECT count(*) FROM src s WHERE s.at IS NOT NULL
+                   AND NOT (octet_length(s.key) BETWEEN 1 AND 512 AND btrim(s.key, E' \t\r\n') <> '')),
+               (SELECT count(*) FROM src s WHERE s.at IS NULL)$q$,
         e.key_expr, a.key_column, e.at_expr, e.result_expr, a.legacy, e.key_type)
-    INTO read, copied, v_last
+    INTO read, copied, v_last, v_future, v_bad, v_nostamp
     USING a.last_key, adopt_batch.batch_size, a.source, v_now, a.ttl;
-    skipped := read - copied;
     done := read < adopt_batch.batch_size;
+    IF done THEN
+        EXECUTE format('SELECT count(*) FROM %s l WHERE l.%I IS NULL', a.legacy, a.key_column) INTO v_nulls;
+        read := read + v_nulls;
+    END IF;
+    skipped := read - copied;
     UPDATE idem.adoptions x
        SET last_key = coalesce(v_last, x.last_key), copied = x.copied + adopt_batch.copied,
            skipped = x.skipped + adopt_batch.skipped, batches = x.batches + 1, updated_at = now(),
+           future = x.future + v_future, bad_keys = x.bad_keys + v_bad + v_nulls, no_stamp = x.no_stamp + v_nostamp,
            state = CASE WHEN adopt_batch.done THEN 'done' ELSE 'copying' END,
            finished_at = CASE WHEN adopt_batch.done THEN now() END
      WHERE x.id = adopt_batch.id;

@@ -13,6 +13,9 @@ DECLARE
     v_at   timestamptz;
     v_res  jsonb;
 BEGIN
+    IF adopt_key.id IS NULL OR adopt_key.key IS NULL OR adopt_key.now IS NULL THEN
+        RETURN;
+    END IF;
     SELECT * INTO a FROM idem.adoptions x WHERE x.id = adopt_key.id;
     IF NOT FOUND OR a.state <> 'copying' THEN
         RETURN;
@@ -24,16 +27,32 @@ BEGIN
         RETURN;
     END IF;
     SELECT * INTO e FROM idem.adopt_exprs(a);
-    EXECUTE format('SELECT %s, %s FROM %s l WHERE l.%I = $1::%s LIMIT 1', e.at_expr, e.result_expr, a.legacy, a.key_column, e.key_type)
-       INTO v_at, v_res USING adopt_key.key;
+    -- A legacy relation that would run its owner's code as this reader
+    -- (made a view, given row level security since adopt_start) is
+    -- refused (idem.check_legacy, migration 14).
+    PERFORM idem.check_legacy(a.legacy);
+    -- (version 15) The legacy row is found through its key column's own
+    -- type (its index), and must then read back as exactly this key, as
+    -- the copy writes it: a key the type cannot hold (out of range, not of
+    -- its form) is not there, and one the cast would fold into another
+    -- ('01', ' 1' and '1' into integer 1, a case-insensitive type or
+    -- collation, a varchar(n) truncation) is not that row: the text is
+    -- compared byte for byte (COLLATE "C").
+    BEGIN
+        EXECUTE format('SELECT %s, %s FROM %s l WHERE l.%I = $1::%s AND (%s) COLLATE "C" = $1 ORDER BY 1 DESC NULLS LAST LIMIT 1',
+                       e.at_expr, e.result_expr, a.legacy, a.key_column, e.key_type, e.key_expr)
+           INTO v_at, v_res USING adopt_key.key;
+    EXCEPTION WHEN data_exception THEN
+        RETURN; -- a key that cannot be of the legacy key's type is not there
+    END;
     IF v_at IS NULL OR v_at + a.ttl <= adopt_key.now THEN
         RETURN; -- not processed there, or its retention is over: a new key
     END IF;
+    -- A stamp in the future is taken as now, as the copy takes it.
+    v_at := LEAST(v_at, adopt_key.now);
     INSERT INTO idem.processed_events
            (source, key, first_seen_month, status, attempts, token, result, first_seen, updated_at, completed_at, expires_at)
     VALUES (a.source, adopt_key.key, idem.utc_month(v_at), 'completed', 1, idem.new_token(), v_res, v_at, adopt_key.now, v_at, v_at + a.ttl)
     ON CONFLICT DO NOTHING;
-EXCEPTION WHEN invalid_text_representation THEN
-    RETURN; -- a key that cannot be of the legacy key's type is not there
 END
 $function$;

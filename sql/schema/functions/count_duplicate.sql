@@ -8,6 +8,12 @@ CREATE OR REPLACE FUNCTION idem.count_duplicate(p_source text, p_key text, p_mon
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
 BEGIN
+    -- (version 15) A waiting duplicate's claim after its wait (WithWait)
+    -- runs in a transaction marked idem.uncounted: its first claim, which
+    -- found the key in progress, counted it already.
+    IF pg_catalog.current_setting('idem.uncounted', true) = 'on' THEN
+        RETURN;
+    END IF;
     INSERT INTO idem.duplicate_counts AS d (source, slot, duplicates, since, last_seen_at)
     VALUES (p_source, pg_backend_pid(), p_weight, p_now, p_now)
     ON CONFLICT (source, slot) DO UPDATE

@@ -35,7 +35,16 @@ BEGIN
             MESSAGE = format('idem.release: key %L of source %L is in progress: a worker holds its lease', left(release.key, 64), release.source),
             HINT = 'Release it once the work has finished or its lease has ended.';
     END IF;
-    DELETE FROM idem.processed_events e WHERE e.source = release.source AND e.key = release.key;
+    -- (version 15) The key's retention ends 2 seconds from now instead of
+    -- its row going at once: until then the database answers as every
+    -- process's cache may still answer (a cache hears the notification
+    -- below within milliseconds, and stops answering when its listener has
+    -- not been heard from for 1.5 s), so the release takes effect at one
+    -- moment everywhere, idem.ReleaseGrace after the commit. A completed
+    -- answer this close to its end is never cached.
+    UPDATE idem.processed_events e
+       SET expires_at = LEAST(e.expires_at, idem.clock() + interval '2 seconds')
+     WHERE e.source = release.source AND e.key = release.key AND e.expires_at > idem.clock();
     GET DIAGNOSTICS v_n = ROW_COUNT;
     PERFORM pg_notify('idem_released', idem.wait_channel_key(release.source, release.key));
     RETURN v_n;

@@ -16,7 +16,10 @@ CREATE TABLE idem.adoptions (
     batches bigint DEFAULT 0 NOT NULL,
     started_at timestamp with time zone DEFAULT now() NOT NULL,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
-    finished_at timestamp with time zone
+    finished_at timestamp with time zone,
+    future bigint DEFAULT 0 NOT NULL,
+    bad_keys bigint DEFAULT 0 NOT NULL,
+    no_stamp bigint DEFAULT 0 NOT NULL
 );
 
 ALTER TABLE ONLY idem.adoptions ADD CONSTRAINT adoptions_state_check CHECK ((state = ANY (ARRAY['copying'::text, 'done'::text])));

@@ -98,7 +98,17 @@ func runAdopt(ctx context.Context, io IO, g *globals, args []string) error {
 		}
 	}
 	took := time.Since(start)
-	fmt.Fprintf(io.Out, "adopted %s into source %s: %d rows read, %d copied, %d skipped (retention over, or already in idem) in %s (%.0f rows/s); claims no longer consult it\n",
+	// What the whole adoption (every run of it) skipped, and why.
+	var future, bad, noStamp, skippedAll int64
+	if err := pool.QueryRow(ctx, `SELECT future, bad_keys, no_stamp, skipped FROM idem.adoptions WHERE id = $1`, id).Scan(&future, &bad, &noStamp, &skippedAll); err != nil {
+		return fmt.Errorf("adopt %s: the adoption's report: %w", *table, err)
+	}
+	fmt.Fprintf(io.Out, "adopted %s into source %s: %d rows read, %d copied, %d skipped in %s (%.0f rows/s); claims no longer consult it\n",
 		*table, *source, read, copied, skipped, took.Round(time.Millisecond), float64(read)/took.Seconds())
+	fmt.Fprintf(io.Out, "skipped over the whole adoption: %d with a NULL, empty, blank or over-512-byte key, %d with no processed-at, %d past their retention or already in idem\n",
+		bad, noStamp, skippedAll-bad-noStamp)
+	if future > 0 {
+		fmt.Fprintf(io.Out, "%d rows stamped in the future were adopted as processed now (their retention counts from now)\n", future)
+	}
 	return nil
 }

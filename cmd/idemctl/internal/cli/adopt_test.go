@@ -69,7 +69,10 @@ func TestAdopt(t *testing.T) {
 
 	// The storm: retries of live legacy events (must never run) and new
 	// events (each must run once), from 8 goroutines, until told to stop.
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	var legacyRuns, newRuns, errs atomic.Int64
 	var ranNew sync.Map
 	stop := make(chan struct{})
@@ -210,5 +213,59 @@ func TestAdoptRefused(t *testing.T) {
 	var n int
 	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem.adoptions`).Scan(&n); err != nil || n != 0 {
 		t.Fatalf("%d adoptions started (%v)", n, err)
+	}
+}
+
+// TestAdoptHostileLegacy: legacy data as it really is: an integer key
+// column, NULL keys filling whole batches, a row stamped a year in the
+// future, a row with no processed-at. The adoption ends (it re-read the
+// NULL keys forever), says what it skipped and why, and afterwards the
+// retry of the future-stamped event is answered as done (it ran again:
+// its row sat in a month claims never look at), while '01', ' 1' and a
+// key past the integer range are new events, claimed without error, not
+// legacy row 1.
+func TestAdoptHostileLegacy(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	url := testdb.New(t)
+	pool := testdb.Pool(t, url, 4)
+	if _, err := pool.Exec(ctx, `
+		CREATE TABLE legacy (id bigint, processed_at timestamptz, result jsonb);
+		INSERT INTO legacy SELECT NULL, now() - interval '1 day', NULL FROM generate_series(1, 12);
+		INSERT INTO legacy VALUES (1, now() - interval '1 day', '{"legacy": 1}'), (7, now() + interval '1 year', '{"legacy": 7}'), (8, NULL, NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	// Claims consult the legacy table while the copy runs: a key the
+	// integer type cannot hold is a new key, not an error.
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `SELECT idem.adopt_start('legacy', 'legacy'::regclass, 'id', 'processed_at', 'result', '30 days')`); err != nil {
+		t.Fatal(err)
+	}
+	if cl, err := c.Claim(ctx, "legacy", "99999999999999999999"); err != nil || cl.Outcome != idem.Acquired {
+		t.Fatalf("while copying, a key past the integer range: %+v %v", cl, err)
+	}
+	r := idemctl(t, ctx, nil, "adopt", "--database-url", url, "--table", "legacy", "--source", "legacy",
+		"--key-column", "id", "--at-column", "processed_at", "--result-column", "result", "--ttl", "720h", "--batch-size", "5", "--sleep", "0")
+	if r.code != 0 {
+		t.Fatalf("adopt: exit %d\n%s%s", r.code, r.out, r.errout)
+	}
+	for _, want := range []string{"12 with a NULL, empty, blank or over-512-byte key", "1 with no processed-at", "1 rows stamped in the future"} {
+		if !strings.Contains(r.out, want) {
+			t.Errorf("the report does not say %q:\n%s", want, r.out)
+		}
+	}
+	ran := 0
+	for key, replayed := range map[string]bool{"7": true, "1": true, "01": false, " 1": false} {
+		res, err := c.Do(ctx, "legacy", key, func(context.Context) (any, error) { ran++; return nil, nil })
+		if err != nil || res.Replayed != replayed {
+			t.Errorf("key %q after the adoption: %+v %v, want replayed %v", key, res, err, replayed)
+		}
+	}
+	if ran != 2 {
+		t.Errorf("the work ran %d times, want twice (01 and ' 1')", ran)
 	}
 }

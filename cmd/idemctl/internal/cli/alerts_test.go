@@ -126,7 +126,10 @@ func TestAlertRules(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				c := idem.New(pool, &idem.Config{Observer: obs})
+				c, err := idem.New(pool, &idem.Config{Observer: obs})
+				if err != nil {
+					t.Fatal(err)
+				}
 				work := func(context.Context) (any, error) { return "ok", nil }
 				for i := range 5 {
 					_, _ = c.Do(ctx, "stripe", fmt.Sprint("evt_", i), work)
@@ -153,7 +156,10 @@ func TestAlertRules(t *testing.T) {
 				pool := testdb.Pool(t, testdb.New(t), 2)
 				reg := prometheus.NewRegistry()
 				obs, _ := idemprom.New(reg)
-				c := idem.New(pool, &idem.Config{Observer: obs})
+				c, err := idem.New(pool, &idem.Config{Observer: obs})
+				if err != nil {
+					t.Fatal(err)
+				}
 				read := func() float64 {
 					return value(t, reg, "idem_claims_total", map[string]string{"source": "stripe", "outcome": "error"})
 				}

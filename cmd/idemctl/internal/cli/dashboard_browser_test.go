@@ -61,7 +61,10 @@ func TestDashboardInBrowser(t *testing.T) {
 	}
 
 	// The storm.
-	client := idem.New(pool, nil)
+	client, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	deliveries := map[string]int{}
 	type job struct{ source, key string }
 	var jobs []job

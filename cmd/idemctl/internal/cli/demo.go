@@ -26,7 +26,7 @@ func init() {
 
 const demoSchema = "idem_demo"
 
-func runDemo(ctx context.Context, io IO, g *globals, args []string) error {
+func runDemo(ctx context.Context, io IO, g *globals, args []string) (err error) {
 	fs := newFlagSet("demo", io, g)
 	var cfg demo.Config
 	fs.IntVar(&cfg.Events, "events", 300, "distinct webhook events")
@@ -66,7 +66,12 @@ func runDemo(ctx context.Context, io IO, g *globals, args []string) error {
 		if err != nil {
 			return err
 		}
-		defer drop()
+		defer func() {
+			// A scratch database left behind is a failure of the demo.
+			if derr := drop(); derr != nil && err == nil {
+				err = derr
+			}
+		}()
 		g.databaseURL = scratch
 	}
 	// The receiver's tables go in schema idem_demo, first on the demo's
@@ -196,28 +201,32 @@ func demoTimeouts(ctx context.Context, io IO, pool *pgxpool.Pool, log *slog.Logg
 // the given connection string and returns a connection string for it and
 // a function that drops it. Without the right to create one it refuses,
 // saying why: the demo never writes into the given database.
-func (g *globals) scratchDatabase(ctx context.Context, io IO) (string, func(), error) {
+func (g *globals) scratchDatabase(ctx context.Context, io IO) (string, func() error, error) {
 	admin, err := g.connect(ctx, io.Env, 1)
 	if err != nil {
 		return "", nil, err
 	}
 	defer admin.Close()
+	// The drop connects to the given database: by then the connection
+	// string names the scratch one, which cannot drop itself.
+	given := admin.Config().ConnConfig.Database
 	name := fmt.Sprintf("idem_demo_%d_%d", os.Getpid(), time.Now().UnixNano()%1e9)
 	if _, err := admin.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
 		return "", nil, withCode(ExitUsage, fmt.Errorf("the demo runs in a scratch database of its own, so that it leaves the given one as it was, and could not create one: %w; give a role with CREATEDB, or run idemctl demo without --database-url for a throwaway server", err))
 	}
 	fmt.Fprintf(io.Out, "running in scratch database %s on the given server (dropped afterwards; the given database is not touched)\n", name)
-	drop := func() {
+	drop := func() error {
 		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 		defer cancel()
-		a, err := g.connect(dctx, io.Env, 1)
+		a, err := g.connect(dctx, io.Env, 1, func(c *pgxpool.Config) { c.ConnConfig.Database = given })
 		if err == nil {
 			_, err = a.Exec(dctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)")
 			a.Close()
 		}
 		if err != nil {
-			fmt.Fprintf(io.Err, "idemctl demo: could not drop scratch database %s: %s\n", name, redact(err.Error()))
+			return fmt.Errorf("could not drop scratch database %s (drop it by hand): %s", name, redact(err.Error()))
 		}
+		return nil
 	}
 	return inDatabase(g.resolveURL(io.Env), name), drop, nil
 }

@@ -8,8 +8,10 @@ import (
 	"github.com/idemkit/idem/internal/testdb"
 )
 
-// TestDemo runs the README's quick start: once against a given database,
-// once with nothing configured (it starts its own throwaway PostgreSQL).
+// TestDemo runs the README's quick start: once against a given database
+// (twice: it changes nothing there and leaves no scratch database on the
+// server), once with nothing configured (it starts its own throwaway
+// PostgreSQL).
 func TestDemo(t *testing.T) {
 	t.Parallel()
 	for name, env := range map[string]map[string]string{
@@ -72,6 +74,13 @@ func TestDemo(t *testing.T) {
 			}
 			if after := snapshot(); after != before {
 				t.Fatalf("the demo changed the given database:\nbefore:\n%s\nafter:\n%s", before, after)
+			}
+			if url := env["DATABASE_URL"]; url != "" {
+				// Nor did it leave a scratch database on the server.
+				var left int
+				if err := testdb.Pool(t, url, 1).QueryRow(context.Background(), `SELECT count(*) FROM pg_database WHERE datname LIKE 'idem\_demo\_%'`).Scan(&left); err != nil || left != 0 {
+					t.Fatalf("%d scratch databases left on the server (%v)", left, err)
+				}
 			}
 		})
 	}

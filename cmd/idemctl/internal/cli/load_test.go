@@ -31,7 +31,10 @@ func TestMaintenanceUnderClaimLoad(t *testing.T) {
 	}
 	seedRows(t, pool, "cur-", monthStart(now, 0), 5000, true, false)
 
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	var (
 		done     = make(chan struct{})
 		wg       sync.WaitGroup

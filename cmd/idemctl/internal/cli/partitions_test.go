@@ -155,7 +155,10 @@ func TestRotationGivesWayToALongTransaction(t *testing.T) {
 	}
 
 	// Claims run throughout.
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	stop := make(chan struct{})
 	var claims, failures atomic.Int64
 	var wg sync.WaitGroup

@@ -20,7 +20,10 @@ func TestReleaseCommand(t *testing.T) {
 	ctx := context.Background()
 	url := testdb.New(t)
 	pool := testdb.Pool(t, url, 2)
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	runs := 0
 	work := func(context.Context) (any, error) { runs++; return nil, nil }
 	_, _ = c.Do(ctx, "s", "done", work)

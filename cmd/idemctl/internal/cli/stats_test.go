@@ -17,7 +17,10 @@ func TestStats(t *testing.T) {
 	ctx := context.Background()
 	url := testdb.New(t)
 	pool := testdb.Pool(t, url, 4)
-	c := idem.New(pool, nil)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
 	// Count every duplicate for the exact numbers below (default: 1 in 8).
 	if _, err := pool.Exec(ctx, `INSERT INTO idem.policies (source, ttl, lease, duplicate_sampling) VALUES ('stripe', '30 days', '2 minutes', 1)`); err != nil {
 		t.Fatal(err)

@@ -58,7 +58,10 @@ func timeZoneAnswers(t *testing.T, tz string, boundary time.Time) string {
 		if err := pool.QueryRow(ctx, `SHOW timezone`).Scan(&sessionTZ); err != nil || sessionTZ != tz {
 			t.Fatalf("session TimeZone %q (%v), want %q", sessionTZ, err, tz)
 		}
-		c := idem.New(pool, nil)
+		c, err := idem.New(pool, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
 		key := fmt.Sprintf("k%d", i)
 		cl, err := c.Claim(ctx, "tz", key)
 		if err != nil || cl.Outcome != idem.Acquired {

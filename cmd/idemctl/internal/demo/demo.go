@@ -187,7 +187,11 @@ func Run(ctx context.Context, pool *pgxpool.Pool, cfg Config, log *slog.Logger) 
 	s := &storm{cfg: cfg, pool: pool, log: log, run: fmt.Sprintf("%08x", rand.Uint32())}
 	s.events, s.want = newEvents(s.run, cfg.Events)
 	s.mail = &stubMailer{failFirst: func(subject string) bool { return pick(subject, 0.05) }}
-	s.rc = &receiver{pool: pool, idem: idem.New(pool, nil), mail: s.mail,
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		return nil, err
+	}
+	s.rc = &receiver{pool: pool, idem: c, mail: s.mail,
 		slow: func(id string) time.Duration {
 			if pick(id+"slow", cfg.SlowRate) {
 				return cfg.SlowFor
@@ -283,7 +287,11 @@ func (s *storm) deliverLastMonth(ctx context.Context) error {
 		return fmt.Errorf("cross-month setup: %w", err)
 	}
 	defer old.Close()
-	earlier := &receiver{pool: old, idem: idem.New(old, nil), mail: s.mail, slow: s.rc.slow, failOnce: s.rc.failOnce}
+	oc, err := idem.New(old, nil)
+	if err != nil {
+		return err
+	}
+	earlier := &receiver{pool: old, idem: oc, mail: s.mail, slow: s.rc.slow, failOnce: s.rc.failOnce}
 	eh, err := earlier.handler(demoSecret, s.answers, s.log)
 	if err != nil {
 		return err

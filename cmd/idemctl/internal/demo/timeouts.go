@@ -82,7 +82,10 @@ func Timeouts(ctx context.Context, pool *pgxpool.Pool, cfg TimeoutsConfig, log *
 		runs[key]++
 		mu.Unlock()
 	}
-	c := idem.New(pool, &idem.Config{Logger: log})
+	c, err := idem.New(pool, &idem.Config{Logger: log})
+	if err != nil {
+		return nil, err
+	}
 	hcfg := idemhttp.Config{Client: c, Source: source, Logger: log}
 	var handler http.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		var ev struct {
