@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem"
@@ -426,25 +427,62 @@ func TestCacheListenerKilled(t *testing.T) {
 	}
 }
 
-// TestCacheKeysCannotCollide: the cache finds an entry by the exact
-// (source, key), not by a digest of source+"\x1f"+key: a completed key of
-// source "a\x1fb" cached, the never-seen key "b\x1fc" of source "a" (the
-// same string once joined with \x1f) is acquired, never answered with the
-// other key's result. A release of one drops only what its digest names.
+// TestCacheKeysCannotCollide: a source may not hold the separator idem
+// joins a source and a key with (0x1F, nor any ASCII control character):
+// the client refuses it before the cache or the server, and so does
+// idem.check_key; a key may hold it. Entries are found by the exact
+// (source, key): a completed key cached, a never-seen key of the same
+// source whose text differs only after the separator is acquired.
 func TestCacheKeysCannotCollide(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool := testdb.Pool(t, testdb.New(t), 4)
-	countEvery(t, pool, "a\x1fb")
+	countEvery(t, pool, "a")
 	c := cachedClient(t, pool)
-	warmCache(t, c, pool, "a\x1fb", "c", "")
+	if _, err := c.Claim(ctx, "a\x1fb", "c"); !errors.Is(err, idem.ErrInvalidInput) {
+		t.Fatalf("a source holding 0x1F: %v, want ErrInvalidInput", err)
+	}
+	var code string
+	if _, err := pool.Exec(ctx, `SELECT idem.claim('a' || chr(31) || 'b', 'c')`); err != nil {
+		var pg *pgconn.PgError
+		if errors.As(err, &pg) {
+			code = pg.Code
+		}
+	}
+	if code != "22023" {
+		t.Fatalf("idem.claim with a source holding chr(31): SQLSTATE %q, want 22023", code)
+	}
+	warmCache(t, c, pool, "a", "b\x1fc", "")
 	for range 3 { // the listener is up: these fill the cache
-		if cl, err := c.Claim(ctx, "a\x1fb", "c"); err != nil || cl.Outcome != idem.Completed {
+		if cl, err := c.Claim(ctx, "a", "b\x1fc"); err != nil || cl.Outcome != idem.Completed {
 			t.Fatalf("%+v %v", cl, err)
 		}
 	}
-	cl, err := c.Claim(ctx, "a", "b\x1fc")
+	cl, err := c.Claim(ctx, "a", "b\x1fd")
 	if err != nil || cl.Outcome != idem.Acquired {
-		t.Fatalf("a never-seen key answered %+v %v (the cache confused it with another source's key)", cl, err)
+		t.Fatalf("a never-seen key answered %+v %v (the cache confused it with another key)", cl, err)
+	}
+}
+
+// TestSourceRuleIsOneRule: the client and idem.check_key refuse exactly
+// the same sources: every ASCII control character, and nothing else of
+// these (C1 controls, other Unicode, spaces inside a name are allowed).
+func TestSourceRuleIsOneRule(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t, testdb.New(t), 2)
+	c := testdb.Client(t, pool, nil)
+	var sources []string
+	for b := 1; b < 0x80; b++ {
+		sources = append(sources, "src"+string(rune(b))+"x")
+	}
+	sources = append(sources, "src\u0085x", "src\u00a0x", "stripe", "shop ify", "ünïcødé", "src\u2028x")
+	for _, src := range sources {
+		_, goErr := c.Claim(ctx, src, "k")
+		_, sqlErr := pool.Exec(ctx, `SELECT idem.check_key('test', $1, 'k')`, src)
+		goRefused, sqlRefused := errors.Is(goErr, idem.ErrInvalidInput), sqlErr != nil
+		if goRefused != sqlRefused {
+			t.Errorf("source %q: the client refused it: %v (%v); check_key refused it: %v (%v)", src, goRefused, goErr, sqlRefused, sqlErr)
+		}
 	}
 }

@@ -12,6 +12,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/internal/testdb"
 )
 
@@ -237,6 +238,11 @@ func TestDesignStateDiagram(t *testing.T) {
 			t.Errorf("%s --> %s : %s: %v", tr.from, tr.to, tr.label, err)
 		} else if outcome != tr.outcome {
 			t.Errorf("%s --> %s : %s: answered %q, want %q", tr.from, tr.to, tr.label, outcome, tr.outcome)
+		}
+		if tr.label == "release" {
+			// A release ends the key's retention ReleaseGrace after it, in
+			// the database and every cache at once.
+			advance(t, ctx, conn, idem.ReleaseGrace+time.Second)
 		}
 		if err := conn.QueryRow(ctx, keyState, src, key).Scan(&got); err != nil || got != tr.to {
 			t.Errorf("%s --> %s : %s: the key is %q afterwards (%v)", tr.from, tr.to, tr.label, got, err)

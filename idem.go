@@ -455,8 +455,11 @@ type errorString string
 func (e errorString) Error() string { return string(e) }
 
 // checkText rejects what PostgreSQL text cannot hold (NUL bytes, invalid
-// UTF-8) before it reaches the server, whose own error would be obscure.
-// Lengths and blankness are checked by the SQL functions, the one authority.
+// UTF-8) before it reaches the server, whose own error would be obscure,
+// and a source holding an ASCII control character, as idem.check_key does
+// (migration 15): idem joins a source and a key with one (0x1F) for the
+// per-key lock and the wait channel, and the cache is consulted before the
+// server. Lengths and blankness are checked by the SQL functions.
 func checkText(op, source, key string, more ...string) error {
 	names := [...]string{"source", "key", "fingerprint", "event type"}
 	for i := range 2 + len(more) {
@@ -473,6 +476,8 @@ func checkText(op, source, key string, more ...string) error {
 			problem = " is not valid UTF-8"
 		case strings.IndexByte(s, 0) >= 0:
 			problem = " contains a NUL byte"
+		case i == 0 && strings.IndexFunc(s, isControl) >= 0:
+			problem = " contains a control character"
 		default:
 			continue
 		}
@@ -481,6 +486,10 @@ func checkText(op, source, key string, more ...string) error {
 	}
 	return nil
 }
+
+// isControl is an ASCII control character (0x00-0x1F, 0x7F): what a
+// source may not contain, in Go as in idem.check_key.
+func isControl(r rune) bool { return r < 0x20 || r == 0x7f }
 
 // sanitize makes an error message storable as text.
 func sanitize(s string) string {

@@ -15,6 +15,10 @@ BEGIN
         RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = fn || ': source must not be empty';
     ELSIF btrim(key, E' \t\r\n') = '' THEN
         RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = fn || ': key must not be empty';
+    ELSIF source ~ '[\x01-\x1f\x7f]' THEN
+        RAISE EXCEPTION USING ERRCODE = '22023',
+            MESSAGE = fn || ': source must not contain a control character',
+            HINT = 'A source is a short name such as ''stripe'': 1 to 64 bytes, no control characters (idem joins a source and a key with one).';
     ELSIF octet_length(source) > 64 THEN
         RAISE EXCEPTION USING ERRCODE = '22001',
             MESSAGE = fn || ': source is longer than 64 bytes',

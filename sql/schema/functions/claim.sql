@@ -43,6 +43,7 @@ BEGIN
     IF claim.source IS NULL OR claim.key IS NULL
        OR octet_length(claim.source) NOT BETWEEN 1 AND 64 OR octet_length(claim.key) NOT BETWEEN 1 AND 512
        OR btrim(claim.source, E' \t\r\n') = '' OR btrim(claim.key, E' \t\r\n') = ''
+       OR claim.source ~ '[\x01-\x1f\x7f]'
        OR octet_length(claim.fingerprint) > 512 OR octet_length(claim.event_type) > 256
        OR (claim.ttl IS NOT NULL AND NOT (claim.ttl >= interval '1 minute' AND claim.ttl <= interval '10 years'))
        OR (claim.lease IS NOT NULL AND NOT (claim.lease >= interval '1 second' AND claim.lease <= interval '7 days'))
