@@ -46,6 +46,10 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool, schema string) ([]int, err
 	}
 	var applied []int
 	for conflicts := 0; ; {
+		// Nothing missing: no lock to wait for (any session may hold it).
+		if done, err := upToDate(ctx, m); err == nil && done {
+			break
+		}
 		v, err := migrateStep(ctx, pool, m)
 		if c := sqlstate.Of(err); (c == sqlstate.UniqueViolation || c == sqlstate.DuplicateTable) && conflicts < 3 {
 			conflicts++
@@ -66,6 +70,25 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool, schema string) ([]int, err
 	return applied, nil
 }
 
+// upToDate reports whether every River version this build knows is
+// applied (an error, such as no River table yet, is "no").
+func upToDate(ctx context.Context, m *rivermigrate.Migrator[pgx.Tx]) (bool, error) {
+	existing, err := m.ExistingVersions(ctx)
+	if err != nil {
+		return false, err
+	}
+	have := map[int]bool{}
+	for _, v := range existing {
+		have[v.Version] = true
+	}
+	for _, v := range m.AllVersions() {
+		if !have[v.Version] {
+			return false, nil
+		}
+	}
+	return true, nil
+}
+
 // migrateStep applies the next missing River version, if any, in a
 // transaction that holds MigrateLockID, and returns it (0: none missing).
 // River's MigrateTx is the one way to run a River migration in a
@@ -74,7 +97,7 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool, schema string) ([]int, err
 func migrateStep(ctx context.Context, pool *pgxpool.Pool, m *rivermigrate.Migrator[pgx.Tx]) (int, error) {
 	var v int
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, `SELECT pg_catalog.pg_advisory_xact_lock($1)`, MigrateLockID); err != nil {
+		if _, err := tx.Exec(ctx, migrate.LockStatement(MigrateLockID)); err != nil {
 			return fmt.Errorf("lock: %w", err)
 		}
 		res, err := m.MigrateTx(ctx, tx, rivermigrate.DirectionUp, &rivermigrate.MigrateOpts{MaxSteps: 1}) //nolint:staticcheck // see above

@@ -20,11 +20,21 @@ type UnsafeSchemaError struct {
 	Migrator string   // the role migrating (current_user), quoted as SQL needs
 	Owner    string   // the schema's owner, quoted likewise
 	Writers  []string // roles other than the owner with CREATE on it ("PUBLIC" for everyone)
+	// Installed: idem's objects are in the schema (its version table is):
+	// the migrator must be the role that owns them, not a new owner.
+	Installed bool
 }
 
 func (e *UnsafeSchemaError) Error() string {
 	var what, fix []string
-	if e.Owner != e.Migrator {
+	if e.Owner != e.Migrator && e.Installed {
+		// idem's routines run as the role that made them: moving the schema
+		// to another owner would take their rights away.
+		what = append(what, fmt.Sprintf("idem is installed by %s, not by %s who migrates", e.Owner, e.Migrator))
+		if len(e.Writers) == 0 {
+			return fmt.Sprintf("%v: %s. Migrate as %s: connect as that role, or (as a member of it) SET ROLE %s first", ErrUnsafeSchema, what[0], e.Owner, e.Owner)
+		}
+	} else if e.Owner != e.Migrator {
 		what = append(what, fmt.Sprintf("it is owned by %s, not by %s who migrates", e.Owner, e.Migrator))
 		fix = append(fix, fmt.Sprintf("ALTER SCHEMA idem OWNER TO %s;", e.Migrator))
 	}
@@ -54,13 +64,14 @@ func CheckSchema(ctx context.Context, db queryRower) error {
 		SELECT n.nspowner::pg_catalog.regrole::text,
 		       (SELECT r.oid FROM pg_catalog.pg_roles r WHERE r.rolname = current_user)::pg_catalog.regrole::text,
 		       n.nspowner = (SELECT r.oid FROM pg_catalog.pg_roles r WHERE r.rolname = current_user),
+		       pg_catalog.to_regclass('idem.goose_db_version') IS NOT NULL,
 		       coalesce(pg_catalog.string_agg(
 		           coalesce(NULLIF(a.grantee, 0::oid)::pg_catalog.regrole::text, 'PUBLIC'), ',' ORDER BY a.grantee)
 		           FILTER (WHERE a.privilege_type = 'CREATE' AND a.grantee <> n.nspowner), '')
 		  FROM pg_catalog.pg_namespace n
 		  LEFT JOIN LATERAL pg_catalog.aclexplode(n.nspacl) a ON true
 		 WHERE n.nspname = $1
-		 GROUP BY n.nspowner`, Schema).Scan(&e.Owner, &e.Migrator, &mine, &writers)
+		 GROUP BY n.nspowner`, Schema).Scan(&e.Owner, &e.Migrator, &mine, &e.Installed, &writers)
 	switch {
 	case errors.Is(err, sql.ErrNoRows):
 		return nil

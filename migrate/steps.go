@@ -23,11 +23,17 @@ import (
 // it safe to run while the application runs and through a transaction
 // pooler:
 //
-//  1. pg_advisory_xact_lock(LockID): one step of idem's at a time. The lock
-//     belongs to the step's transaction, so it holds through PgBouncer in
-//     transaction mode (a session lock would be taken and released on
-//     different server sessions there) and it is never left behind: it
-//     ends with the transaction, committed, rolled back or cut off.
+//  0. search_path = pg_catalog, pg_temp for the step's transaction: a
+//     migration's own statements (a DO block, a top-level SELECT) cannot
+//     meet a look-alike operator or function another role planted in a
+//     schema on the migrator's path (docs/security.md).
+//  1. The transaction advisory lock LockID (LockStatement): one step of
+//     idem's at a time. The lock belongs to the step's transaction, so it
+//     holds through PgBouncer in transaction mode (a session lock would be
+//     taken and released on different server sessions there) and it is
+//     never left behind: it ends with the transaction, committed, rolled
+//     back or cut off. Any login may take an advisory lock, so the wait is
+//     bounded (LockWait), then refused with ErrLocked.
 //  2. The step checks that its version is still to be applied (up) or
 //     still applied (down), and raises stepDoneElsewhere when another
 //     migrator did it while this one waited for the lock; Migrator looks
@@ -37,6 +43,25 @@ import (
 //     long, not for the whole of that transaction, so claims do not queue
 //     behind the step's lock request. The step then rolls back and
 //     Migrator retries it after a pause (Config.Retries times).
+
+// LockWait is how long a migration step (idem's or River's) waits for its
+// migration lock: another migrator's step, or a session of any role that
+// holds the same advisory lock id.
+const LockWait = 10 * time.Minute
+
+// ErrLocked: the migration lock was held for LockWait (SQLSTATE IDM02).
+var ErrLocked = errors.New("idem/migrate: the migration lock is held")
+
+// LockStatement is the statement that takes the transaction advisory lock
+// id for a migration step, waiting at most LockWait (polling: a blocking
+// wait would wait as long as any session holds it), then raising IDM02.
+func LockStatement(id int64) string {
+	tries := int(LockWait / (200 * time.Millisecond))
+	return fmt.Sprintf(`DO $idem$ BEGIN FOR i IN 1..%d LOOP IF pg_catalog.pg_try_advisory_xact_lock(%d::bigint) THEN RETURN; END IF; PERFORM pg_catalog.pg_sleep(0.2::double precision); END LOOP; `+
+		`RAISE EXCEPTION 'the migration lock (advisory lock %d) was held for %s: another migrator, or a session of any role holding pg_advisory_lock(%d)' USING ERRCODE = '%s', `+
+		`HINT = 'SELECT pid, usename, state FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a USING (pid) WHERE l.locktype = ''advisory'' names its holder; end that session, then migrate again.'; END $idem$;`,
+		tries, id, id, LockWait, id, sqlstate.MigrationLocked)
+}
 
 // stepDoneElsewhere is raised by a step whose version another migrator
 // applied (or rolled back) while this one waited for the migration lock.
@@ -160,6 +185,8 @@ func (m *Migrator) run(ctx context.Context, step func() ([]*goose.MigrationResul
 			return all, err
 		}
 		switch sqlstate.Of(err) {
+		case sqlstate.MigrationLocked:
+			return all, fmt.Errorf("%w: %w", ErrLocked, err)
 		case stepDoneElsewhere:
 			// Each time, another migrator made progress; more times than
 			// there are steps would mean the version table and goose
@@ -233,8 +260,9 @@ func prologue(version int64, up bool, lockTimeout time.Duration) string {
 	if !up {
 		cond, did = "NOT ", "rolled back"
 	}
-	return fmt.Sprintf(`SELECT pg_catalog.set_config('lock_timeout', '0', true), pg_catalog.pg_advisory_xact_lock(%d);
+	return fmt.Sprintf(`SELECT pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
+%s
 DO $idem$ BEGIN IF %sEXISTS (SELECT FROM %s WHERE version_id = %d AND is_applied) THEN RAISE EXCEPTION 'idem migration %d was %s by another migrator' USING ERRCODE = '%s'; END IF; END $idem$;
 SELECT pg_catalog.set_config('lock_timeout', '%dms', true);
-`, LockID, cond, TableName, version, version, did, stepDoneElsewhere, lockTimeout.Milliseconds())
+`, LockStatement(LockID), cond, TableName, version, version, did, stepDoneElsewhere, lockTimeout.Milliseconds())
 }

@@ -94,8 +94,9 @@ func (c Config) Validate() error {
 	// Premake and LockTimeout are CALL idem.rotate()'s premake and
 	// lock_wait: their bounds are the database's (CheckConfig), one rule
 	// for both.
-	case c.StatementTimeout != nil && (*c.StatementTimeout < 0 || *c.StatementTimeout > maintcfg.MaxTimeout):
-		return bad("StatementTimeout", "%s is out of range (0 to %s, PostgreSQL's limit)", *c.StatementTimeout, maintcfg.MaxTimeout)
+	case c.StatementTimeout != nil && (*c.StatementTimeout < 0 || *c.StatementTimeout > maintcfg.MaxTimeout ||
+		(*c.StatementTimeout > 0 && *c.StatementTimeout < time.Millisecond)):
+		return bad("StatementTimeout", "%s is out of range (0 for none, or 1ms to %s, PostgreSQL's limit)", *c.StatementTimeout, maintcfg.MaxTimeout)
 	case c.Retries != nil && (*c.Retries < 0 || *c.Retries > 100):
 		return bad("Retries", "%d is out of range (0 to 100)", *c.Retries)
 	case c.Backoff != nil && *c.Backoff < 0:

@@ -1,9 +1,10 @@
 // Package prune deletes expired keys in small batches, the way river's job
 // cleaner does: DELETE up to N rows, commit, sleep with jitter, repeat until
 // a short batch. One prune runs at a time per database, gated by the
-// maintenance lock 'prune' (a lease in idem.maintenance_locks taken under
-// a transaction-scoped advisory lock, so it is safe through PgBouncer's
-// transaction pooling and ends by itself if the process dies).
+// maintenance lock 'prune' (a lease row in idem.maintenance_locks that
+// only idem's functions write: no other login can hold or stall it; it is
+// safe through PgBouncer's transaction pooling and ends by itself if the
+// process dies).
 //
 // Every batch is its own transaction, so killing prune at any point leaves
 // no half-done state: what was committed is deleted, the rest is not.
@@ -146,8 +147,9 @@ func (c Config) Validate() error {
 		return bad("LockTimeout", "%s must be at least 1ms: without one a batch could wait behind a DDL without limit", *c.LockTimeout)
 	case c.LockTimeout != nil && *c.LockTimeout > maintcfg.MaxTimeout:
 		return bad("LockTimeout", "%s is over PostgreSQL's limit (%s)", *c.LockTimeout, maintcfg.MaxTimeout)
-	case c.StatementTimeout != nil && (*c.StatementTimeout < 0 || *c.StatementTimeout > maintcfg.MaxTimeout):
-		return bad("StatementTimeout", "%s is out of range (0 to %s, PostgreSQL's limit)", *c.StatementTimeout, maintcfg.MaxTimeout)
+	case c.StatementTimeout != nil && (*c.StatementTimeout < 0 || *c.StatementTimeout > maintcfg.MaxTimeout ||
+		(*c.StatementTimeout > 0 && *c.StatementTimeout < time.Millisecond)):
+		return bad("StatementTimeout", "%s is out of range (0 for none, or 1ms to %s, PostgreSQL's limit)", *c.StatementTimeout, maintcfg.MaxTimeout)
 	case c.Retries != nil && *c.Retries < 0:
 		return bad("Retries", "%d is negative", *c.Retries)
 	}

@@ -107,4 +107,7 @@ const (
 	// migration lock, that another migrator had applied (or rolled back)
 	// its version; the migrator looks again (package migrate).
 	MigrationStepDone = "IDM01"
+	// MigrationLocked: a migration step waited migrate.LockWait for the
+	// migration lock, which any session may hold (package migrate).
+	MigrationLocked = "IDM02"
 )

@@ -18,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 
+	"github.com/idemkit/idem/internal/maintcfg"
 	"github.com/idemkit/idem/migrate"
 )
 
@@ -39,6 +40,16 @@ func (g *globals) poolConfig(env Env) (*pgxpool.Config, error) {
 	}
 	if g.lockTimeout < 0 || g.statementTimeout < 0 {
 		return nil, usageErr("--lock-timeout and --statement-timeout must not be negative")
+	}
+	// PostgreSQL takes whole milliseconds up to its limit, 0 meaning none:
+	// 500us would be no timeout at all, 1000h an error at every run.
+	for _, t := range []struct {
+		flag string
+		d    time.Duration
+	}{{"--lock-timeout", g.lockTimeout}, {"--statement-timeout", g.statementTimeout}} {
+		if t.d > maintcfg.MaxTimeout || (t.d > 0 && t.d < time.Millisecond) {
+			return nil, usageErr("%s %s is out of range (1ms to %s, PostgreSQL's limit)", t.flag, t.d, maintcfg.MaxTimeout)
+		}
 	}
 	// Only application_name goes in the startup packet (PgBouncer passes it
 	// on); the timeouts are set per transaction by prune and rotation, since

@@ -9,7 +9,9 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/testdb"
+	"github.com/idemkit/idem/migrate"
 )
 
 // Attacks found by a review of the least-privilege work, each reproduced
@@ -288,5 +290,119 @@ func TestAppCannotHalfMakeAMonth(t *testing.T) {
 	next := testdb.PoolAt(t, url, 1, monthStart(now, 1).Add(time.Hour))
 	if _, err := next.Exec(ctx, `SELECT * FROM idem.claim('shop', 'first-of-the-month')`); err != nil {
 		t.Fatalf("a claim in the month the application role kept half-made: %v", err)
+	}
+}
+
+// TestSubMillisecondStatementTimeout: PostgreSQL's statement_timeout is in
+// whole milliseconds and 0 means none. --statement-timeout 500us is
+// accepted and sent as 0, so prune and rotate run without any statement
+// timeout, the sub-millisecond trap item 7 of issue 34 closed for
+// lock_wait. It should be a usage error (exit 2), as --lock-timeout 500us is.
+func TestSubMillisecondStatementTimeout(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	for _, args := range [][]string{{"prune"}, {"partitions", "rotate"}} {
+		r := idemctl(t, ctx, nil, append(args, "--statement-timeout", "500us", "--database-url", url)...)
+		if r.code != ExitUsage {
+			t.Errorf("idemctl %s --statement-timeout 500us: exit %d, want %d (usage)\n%s%s", strings.Join(args, " "), r.code, ExitUsage, r.out, r.errout)
+		}
+	}
+}
+
+// TestNobodyStopsMigrate: migrate up still waits on an advisory lock with
+// a fixed id that any login may hold: inbox.MigrateLockID (1768187248,
+// pg_advisory_lock: no limit at all), which migrate up takes on every run,
+// for River's migrations, even when there is nothing to apply. A role with
+// no rights in idem holding it in an idle session stalls every deploy's
+// migrate up (here: still waiting after 20 seconds). goose's session lock
+// migrate.LockID (1768187246) is checked too: it holds on an up-to-date
+// schema (with a migration pending it would wait its 10 minutes, then fail).
+func TestNobodyStopsMigrate(t *testing.T) {
+	t.Parallel()
+	for _, id := range []int64{migrate.LockID, inbox.MigrateLockID} {
+		t.Run(fmt.Sprint(id), func(t *testing.T) {
+			t.Parallel()
+			url := testdb.New(t)
+			admin := testdb.Pool(t, url, 1)
+			nobody := loginRole(t, admin, "nobody")
+			conn, err := pgx.Connect(context.Background(), testdb.AsUser(url, nobody))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Close(context.Background())
+			if _, err := conn.Exec(context.Background(), `SELECT pg_advisory_lock($1)`, id); err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			r := idemctl(t, ctx, nil, "migrate", "up", "--database-url", url)
+			if ctx.Err() != nil || r.code != 0 {
+				t.Fatalf("migrate up while %s holds advisory lock %d: exit %d after %v (context: %v)\n%s%s",
+					nobody, id, r.code, 20*time.Second, ctx.Err(), r.out, r.errout)
+			}
+		})
+	}
+}
+
+// TestFreshInstallUnderLookalikes: idem installed into an application's
+// database where the application role already planted look-alikes in
+// public (the default before PostgreSQL 15): migrate up, as the owner,
+// runs migrations 1 to 14 (their DO blocks and top-level statements run
+// with the session's search_path) and River's migrations. Migration 5's
+// top-level SELECT idem.raise_lookback(p.source, idem.days_at_most(...))
+// runs idem.days_at_most (which pins no search_path: float8 * integer,
+// float8 >= integer, float8 / numeric) and migration 4's DO block compares
+// p.oid = 'idem.clock()'::regprocedure (oid = regprocedure): the
+// application's operators run as the migrating superuser.
+func TestFreshInstallUnderLookalikes(t *testing.T) {
+	ctx := context.Background()
+	url := testdb.NewEmpty(t)
+	admin := testdb.Pool(t, url, 2)
+	app := loginRole(t, admin, "fresh_app")
+	// PlantLookalikes reads schema idem's routines: an empty schema idem
+	// owned by the migrating role, which migrate up accepts.
+	if _, err := admin.Exec(ctx, `CREATE SCHEMA idem`); err != nil {
+		t.Fatal(err)
+	}
+	plant := testdb.PlantLookalikes(t, url, app, queryFunctions(t)...)
+	if r := idemctl(t, ctx, nil, "migrate", "up", "--database-url", url); r.code != 0 {
+		t.Fatalf("migrate up: exit %d\n%s%s", r.code, r.out, r.errout)
+	}
+	if fired := plant.Fired(t); len(fired) > 0 {
+		t.Fatalf("look-alikes ran inside migrate up on a fresh install:\n%s", strings.Join(fired, "\n"))
+	}
+}
+
+// TestSuperuserUpgradeKeepsRotation: idem installed by a dedicated owner
+// role, then `migrate up` run by a superuser (a DBA's upgrade). It is
+// refused, naming the role to migrate as: moving the schema to the
+// superuser (the fix printed before) left idem's SECURITY DEFINER routines
+// owned by a role without rights on schema idem, and rotation failed
+// (42501). Migrated as the owner, rotation and check work.
+func TestSuperuserUpgradeKeepsRotation(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.NewEmpty(t)
+	admin := testdb.Pool(t, url, 2)
+	owner := loginRole(t, admin, "idem_owner")
+	if _, err := admin.Exec(ctx, `DO $$ BEGIN EXECUTE format('GRANT CREATE ON DATABASE %I TO `+owner+`', current_database()); END $$`); err != nil {
+		t.Fatal(err)
+	}
+	if r := idemctl(t, ctx, nil, "migrate", "up", "--river=false", "--database-url", testdb.AsUser(url, owner)); r.code != 0 {
+		t.Fatalf("migrate up as %s: %+v", owner, r)
+	}
+	r := idemctl(t, ctx, nil, "migrate", "up", "--river=false", "--database-url", url)
+	if r.code == 0 || !strings.Contains(r.errout, "Migrate as "+owner) || strings.Contains(r.errout, "ALTER SCHEMA") {
+		t.Fatalf("migrate up as the superuser: exit %d, want a refusal naming %s\n%s", r.code, owner, r.errout)
+	}
+	if r := idemctl(t, ctx, nil, "migrate", "up", "--river=false", "--database-url", testdb.AsUser(url, owner)); r.code != 0 {
+		t.Fatalf("migrate up as the owner again: %+v", r)
+	}
+	if r := idemctl(t, ctx, nil, "partitions", "rotate", "--database-url", url); r.code != 0 {
+		t.Fatalf("rotate after the upgrade: exit %d\n%s%s", r.code, r.out, r.errout)
+	}
+	if r := idemctl(t, ctx, nil, "check", "--database-url", url); r.code != 0 {
+		t.Fatalf("check after the upgrade: exit %d\n%s%s", r.code, r.out, r.errout)
 	}
 }
