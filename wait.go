@@ -79,11 +79,12 @@ func (c *Client) waitFor(ctx context.Context, a claimArgs, cl *Claim) (*Claim, e
 		// Look first: the original may have finished before we registered.
 		status, left, err := c.d.peek(wctx, a.source, a.key)
 		if err == nil && (status != "processing" || left <= 0) {
-			next, err := c.d.claim(wctx, a)
+			// The claim runs to its end even if the wait's deadline passes
+			// meanwhile (it is bounded by its lock wait): cut short, it could
+			// commit an acquisition that no one would know it holds, and
+			// the key would run nothing until its lease ended.
+			next, err := c.d.claim(ctx, a)
 			if err != nil {
-				if wctx.Err() != nil && ctx.Err() == nil {
-					return cl, nil // the wait ended mid-claim
-				}
 				return nil, convert("claim", a.source, a.key, err)
 			}
 			if next.Outcome != InProgress {
