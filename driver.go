@@ -66,6 +66,27 @@ type driver interface {
 	// concurrent reports whether the executor may be used from several
 	// goroutines at once (a pool), which Do's heartbeat needs.
 	concurrent() bool
+	// guard runs fn, under a savepoint when the executor is the caller's
+	// transaction and risky is set: a statement the server may refuse (a
+	// result over its size limit) then leaves the transaction usable.
+	guard(ctx context.Context, risky bool, fn func() error) error
+}
+
+// savepoint runs fn under a savepoint of the transaction exec runs in; a
+// failed fn is rolled back to it, so the transaction goes on. exec sends a
+// statement without arguments (both drivers send those with the simple
+// protocol: no prepared statement, which a transaction pooler keeps).
+func savepoint(ctx context.Context, exec func(ctx context.Context, sql string) error, fn func() error) error {
+	if err := exec(ctx, "SAVEPOINT idem_guard"); err != nil {
+		return err
+	}
+	if err := fn(); err != nil {
+		if exec(ctx, "ROLLBACK TO SAVEPOINT idem_guard") == nil {
+			_ = exec(ctx, "RELEASE SAVEPOINT idem_guard")
+		}
+		return err
+	}
+	return exec(ctx, "RELEASE SAVEPOINT idem_guard")
 }
 
 func msPtr(d time.Duration) *int64 {
@@ -195,6 +216,16 @@ func (d pgxDriver) concurrent() bool {
 	return ok
 }
 
+func (d pgxDriver) guard(ctx context.Context, risky bool, fn func() error) error {
+	if _, inTx := d.db.(pgx.Tx); !risky || !inTx {
+		return fn()
+	}
+	return savepoint(ctx, func(ctx context.Context, sql string) error {
+		_, err := d.db.Exec(ctx, sql)
+		return err
+	}, fn)
+}
+
 func tsOf(t pgtype.Timestamptz) time.Time {
 	if !t.Valid {
 		return time.Time{}
@@ -271,6 +302,16 @@ type sqlDriver struct {
 func (d sqlDriver) concurrent() bool {
 	_, ok := d.db.(*sql.DB)
 	return ok
+}
+
+func (d sqlDriver) guard(ctx context.Context, risky bool, fn func() error) error {
+	if _, inTx := d.db.(*sql.Tx); !risky || !inTx {
+		return fn()
+	}
+	return savepoint(ctx, func(ctx context.Context, sql string) error {
+		_, err := d.db.ExecContext(ctx, sql)
+		return err
+	}, fn)
 }
 
 func nullStr(s string) sql.NullString { return sql.NullString{String: s, Valid: s != ""} }

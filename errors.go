@@ -17,8 +17,9 @@ import (
 var (
 	// ErrInvalidInput: an empty, blank, NULL, oversized, non-UTF-8 or
 	// NUL-containing source or key; a bad TTL, lease or lock wait; a result
-	// that is not JSON or holds a NUL character (\u0000). SQLSTATEs 22004,
-	// 22023, 22001, 22021, 22P02, 22P05.
+	// that is not JSON or holds a NUL character (\u0000), a lone UTF-16
+	// surrogate escape or a number beyond PostgreSQL's numeric (see
+	// CheckResult). SQLSTATEs 22004, 22023, 22001, 22021, 22P02, 22P05, 22003.
 	ErrInvalidInput = errors.New("idem: invalid input")
 	// ErrResultTooLarge: the stored result would exceed 1 MiB (SQLSTATE 54000).
 	ErrResultTooLarge = errors.New("idem: result too large")
@@ -158,7 +159,8 @@ func convert(op, source, key string, err error) error {
 	case code != "":
 		switch code {
 		case sqlstate.NullValueNotAllowed, sqlstate.InvalidParameterValue, sqlstate.StringDataRightTrunc,
-			sqlstate.CharacterNotInRepert, sqlstate.InvalidTextRepr, sqlstate.UntranslatableChar:
+			sqlstate.CharacterNotInRepert, sqlstate.InvalidTextRepr, sqlstate.UntranslatableChar,
+			sqlstate.NumericOutOfRange:
 			e.Kind = ErrInvalidInput
 		case sqlstate.ProgramLimitExceeded:
 			e.Kind = ErrResultTooLarge

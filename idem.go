@@ -366,11 +366,17 @@ func (c *Client) complete(ctx context.Context, source, key string, token int64, 
 	if err := c.check("complete", source, key); err != nil {
 		return nil, err
 	}
-	if result != nil && !json.Valid(result) {
-		return nil, &Error{Op: "complete", Source: source, Key: key, Kind: ErrInvalidInput,
-			Err: errorString("result is not valid JSON")}
+	if err := CheckResult(result); err != nil {
+		e := err.(*Error)
+		e.Source, e.Key = source, key
+		return nil, e
 	}
-	out, stored, err := c.d.complete(ctx, source, key, token, result, echo)
+	var out string
+	var stored []byte
+	err := c.d.guard(ctx, len(result) > mayExceedLimit, func() (err error) {
+		out, stored, err = c.d.complete(ctx, source, key, token, result, echo)
+		return err
+	})
 	if err != nil {
 		return nil, convert("complete", source, key, err)
 	}
@@ -385,7 +391,7 @@ func (c *Client) CompleteUnstored(ctx context.Context, source, key string, token
 	if err := c.check("complete", source, key); err != nil {
 		return err
 	}
-	out, err := c.d.completeUnstored(ctx, source, key, token, sanitize(reason))
+	out, err := c.d.completeUnstored(ctx, source, key, token, StorableText(reason))
 	if err != nil {
 		return convert("complete", source, key, err)
 	}
@@ -399,7 +405,7 @@ func (c *Client) Fail(ctx context.Context, source, key string, token int64, msg 
 	if err := c.check("fail", source, key); err != nil {
 		return err
 	}
-	out, err := c.d.fail(ctx, source, key, token, sanitize(msg), retryable)
+	out, err := c.d.fail(ctx, source, key, token, StorableText(msg), retryable)
 	if err != nil {
 		return convert("fail", source, key, err)
 	}
@@ -458,10 +464,4 @@ func checkText(op, source, key string, more ...string) error {
 			Err: errorString(names[min(i, len(names)-1)] + problem)}
 	}
 	return nil
-}
-
-// sanitize makes an error message storable as text.
-func sanitize(s string) string {
-	s = strings.ToValidUTF8(s, "\uFFFD")
-	return strings.ReplaceAll(s, "\x00", "\uFFFD")
 }
