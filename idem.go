@@ -28,8 +28,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-
-	"github.com/idemkit/idem/db/sqldb"
 )
 
 // Outcome is what idem.claim decided.
@@ -93,7 +91,8 @@ type Config struct {
 	// negative value answers at once. WithLockWait overrides it per claim.
 	LockWait time.Duration
 	// QueryExecMode fixes the pgx execution mode of the protocol's
-	// statements (New only). Default (0): adaptive. The pool's own mode
+	// statements (New, and NewSQL over pgx's stdlib driver, which takes
+	// the mode as pgx does). Default (0): adaptive. The pool's own mode
 	// (pgx's statement cache, unless the pool says otherwise) until the
 	// server answers that a prepared statement is missing or already
 	// exists (SQLSTATE 26000 or 42P05: a transaction pooler, such as
@@ -168,7 +167,7 @@ type Client struct {
 	d      driver
 	cfg    Config
 	cfgErr error
-	mode   *execMode      // pgx clients: shared with the clients WithTx derives
+	mode   *execMode      // pgx and pgx-stdlib clients: shared with the clients WithTx derives
 	wait   *time.Duration // Config.LockWait as claim's lock_wait: nil for the database's default
 	hub    *hub           // pgx pool clients: the waiters' and the cache's listener
 	cache  *cache         // Config.Cache, on a pool client and the clients WithTx derives
@@ -199,7 +198,8 @@ func NewSQL(db SQLExecutor, cfg *Config) *Client {
 	if err == nil && c.Cache != nil {
 		err = fmt.Errorf("%w: Cache needs a client over a *pgxpool.Pool (New): it listens for releases, which database/sql cannot", ErrInvalidConfig)
 	}
-	return &Client{d: sqlDriver{q: sqldb.New(db), db: db}, cfg: c, cfgErr: err, wait: lockWait(c.LockWait)}
+	mode := sqlExecMode(db, c.QueryExecMode, c.Logger)
+	return &Client{d: newSQLDriver(db, mode), cfg: c, cfgErr: err, mode: mode, wait: lockWait(c.LockWait)}
 }
 
 // lockWait turns Config.LockWait into claim's lock_wait: 0 is the
@@ -263,9 +263,15 @@ func (c *Client) WithTx(tx pgx.Tx) *Client {
 		hub: c.hub, cache: c.cache, inTx: true}
 }
 
-// WithSQLTx is WithTx for database/sql.
+// WithSQLTx is WithTx for database/sql. A client of pgx's stdlib driver
+// shares its execution mode (Config.QueryExecMode) with the clients it
+// derives.
 func (c *Client) WithSQLTx(tx *sql.Tx) *Client {
-	return &Client{d: sqlDriver{q: sqldb.New(tx), db: tx}, cfg: c.cfg, cfgErr: c.cfgErr, wait: c.wait}
+	var mode *execMode
+	if _, sqlClient := c.d.(sqlDriver); sqlClient {
+		mode = c.mode
+	}
+	return &Client{d: newSQLDriver(tx, mode), cfg: c.cfg, cfgErr: c.cfgErr, mode: mode, wait: c.wait}
 }
 
 // ClaimOption adjusts one claim.
