@@ -60,6 +60,9 @@ type driver interface {
 	peek(ctx context.Context, source, key string) (string, time.Duration, error)
 	waitBegin(ctx context.Context, source, key string, wait time.Duration) (int64, error)
 	waitEnd(ctx context.Context, id int64) error
+	// missingFunctions returns those of the functions listed (';'
+	// separated signatures) that do not exist, '; ' separated.
+	missingFunctions(ctx context.Context, functions string) (string, error)
 	// cacheable reports whether what the executor's transaction reads is
 	// only what other transactions committed, each statement with a
 	// snapshot of its own (Config.Cache inside the caller's transaction).

@@ -28,6 +28,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem/internal/sqlstate"
 )
 
 // Outcome is what idem.claim decided.
@@ -172,13 +174,14 @@ type Client struct {
 	hub    *hub           // pgx pool clients: the waiters' and the cache's listener
 	cache  *cache         // Config.Cache, on a pool client and the clients WithTx derives
 	inTx   bool           // derived by WithTx: reads the cache, puts only what another transaction committed
+	schema *schemaState   // shared with the clients WithTx derives
 }
 
 // New returns a Client over a pgx pool, connection or transaction.
 func New(db PgxExecutor, cfg *Config) *Client {
 	c, err := defaults(cfg)
 	mode := &execMode{fixed: c.QueryExecMode, log: c.Logger}
-	cl := &Client{d: newPgxDriver(db, mode), cfg: c, cfgErr: err, mode: mode, wait: lockWait(c.LockWait)}
+	cl := &Client{d: newPgxDriver(db, mode), cfg: c, cfgErr: err, mode: mode, wait: lockWait(c.LockWait), schema: &schemaState{}}
 	pool, ok := db.(*pgxpool.Pool)
 	switch {
 	case ok && c.Cache != nil && err == nil:
@@ -199,7 +202,7 @@ func NewSQL(db SQLExecutor, cfg *Config) *Client {
 		err = fmt.Errorf("%w: Cache needs a client over a *pgxpool.Pool (New): it listens for releases, which database/sql cannot", ErrInvalidConfig)
 	}
 	mode := sqlExecMode(db, c.QueryExecMode, c.Logger)
-	return &Client{d: newSQLDriver(db, mode), cfg: c, cfgErr: err, mode: mode, wait: lockWait(c.LockWait)}
+	return &Client{d: newSQLDriver(db, mode), cfg: c, cfgErr: err, mode: mode, wait: lockWait(c.LockWait), schema: &schemaState{}}
 }
 
 // lockWait turns Config.LockWait into claim's lock_wait: 0 is the
@@ -260,7 +263,7 @@ func (c *Client) WithTx(tx pgx.Tx) *Client {
 		mode = &execMode{fixed: c.cfg.QueryExecMode, log: c.cfg.Logger}
 	}
 	return &Client{d: newPgxDriver(tx, mode), cfg: c.cfg, cfgErr: c.cfgErr, mode: mode, wait: c.wait,
-		hub: c.hub, cache: c.cache, inTx: true}
+		hub: c.hub, cache: c.cache, inTx: true, schema: c.schema}
 }
 
 // WithSQLTx is WithTx for database/sql. A client of pgx's stdlib driver
@@ -271,7 +274,7 @@ func (c *Client) WithSQLTx(tx *sql.Tx) *Client {
 	if _, sqlClient := c.d.(sqlDriver); sqlClient {
 		mode = c.mode
 	}
-	return &Client{d: newSQLDriver(tx, mode), cfg: c.cfg, cfgErr: c.cfgErr, mode: mode, wait: c.wait}
+	return &Client{d: newSQLDriver(tx, mode), cfg: c.cfg, cfgErr: c.cfgErr, mode: mode, wait: c.wait, schema: c.schema}
 }
 
 // ClaimOption adjusts one claim.
@@ -321,6 +324,9 @@ func (c *Client) claim(ctx context.Context, source, key string, opts []ClaimOpti
 	if err := c.checkWait(&a); err != nil {
 		return nil, err
 	}
+	if err := c.ready(ctx, source, key); err != nil {
+		return nil, err
+	}
 	var digest string
 	var gen uint64
 	cached := c.cache != nil && c.hub.fresh()
@@ -333,7 +339,9 @@ func (c *Client) claim(ctx context.Context, source, key string, opts []ClaimOpti
 	}
 	cl, err := c.d.claim(ctx, a)
 	if err != nil {
-		return nil, convert("claim", source, key, err)
+		err = convert("claim", source, key, err)
+		c.forgetSchema(err)
+		return nil, err
 	}
 	if cached && cl.Outcome == Completed && c.hub.fresh() {
 		ok := true
@@ -383,8 +391,18 @@ func (c *Client) complete(ctx context.Context, source, key string, token int64, 
 		out, stored, err = c.d.complete(ctx, source, key, token, result, echo)
 		return err
 	})
+	if err != nil && echo && c.d.concurrent() && sqlstate.Of(err) == sqlstate.UndefinedFunction {
+		// The schema was migrated down under the client (idem.complete_stored
+		// is version 11's): complete with version 1's idem.complete, so the
+		// work that ran is recorded; the next claim checks the schema again.
+		c.forgetSchema(ErrNotMigrated)
+		out, _, err = c.d.complete(ctx, source, key, token, result, false)
+		stored = result
+	}
 	if err != nil {
-		return nil, convert("complete", source, key, err)
+		err = convert("complete", source, key, err)
+		c.forgetSchema(err)
+		return nil, err
 	}
 	return stored, outcomeErr("complete", source, key, out)
 }

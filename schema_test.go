@@ -1,0 +1,71 @@
+package idem_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"testing"
+
+	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/internal/testdb"
+	"github.com/idemkit/idem/migrate"
+)
+
+// TestOldSchema: the library against a schema migrated only to version 10
+// (code deployed before `migrate up`) refuses to claim with ErrNotMigrated,
+// before any work runs, on pgx and database/sql. Migrated down while a
+// client runs (its check passed), the work that ran is still recorded
+// (with version 1's idem.complete), the next delivery is refused before
+// the work, and after `migrate up` the key answers as completed. Before,
+// the work ran and could not be recorded (idem.complete_stored missing):
+// the key stayed processing and every delivery after the lease ran it.
+func TestOldSchema(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	db, err := sql.Open("pgx", url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	pool := testdb.Pool(t, url, 4)
+	running := idem.New(pool, nil)
+	if _, err := running.Claim(ctx, "old", "warm-up"); err != nil { // its check passes now
+		t.Fatal(err)
+	}
+	if _, err := migrate.DownTo(ctx, db, 10, false); err != nil {
+		t.Fatal(err)
+	}
+	runs := 0
+	work := func(context.Context) (any, error) { runs++; return map[string]int{"n": 1}, nil }
+
+	for name, c := range map[string]*idem.Client{"pgx": idem.New(pool, nil), "database/sql": idem.NewSQL(db, nil)} {
+		for range 3 {
+			if _, err := c.Do(ctx, "old", "new-client-"+name, work); !errors.Is(err, idem.ErrNotMigrated) {
+				t.Fatalf("%s on version 10: %v, want ErrNotMigrated", name, err)
+			}
+		}
+	}
+	if runs != 0 {
+		t.Fatalf("the work ran %d times on a schema the client cannot record it in", runs)
+	}
+
+	// The client that checked at the latest version: the work runs once
+	// and is recorded; then the schema is checked again.
+	if res, err := running.Do(ctx, "old", "running", work); err != nil || string(res.Result) != `{"n":1}` {
+		t.Fatalf("migrated down under a running client: %+v %v", res, err)
+	}
+	if _, err := running.Do(ctx, "old", "running", work); !errors.Is(err, idem.ErrNotMigrated) {
+		t.Fatalf("next delivery: %v, want ErrNotMigrated", err)
+	}
+	if runs != 1 {
+		t.Fatalf("the work ran %d times", runs)
+	}
+	if _, err := migrate.Up(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	res, err := running.Do(ctx, "old", "running", work)
+	if err != nil || !res.Replayed || runs != 1 {
+		t.Fatalf("after migrate up: %+v %v, ran %d times", res, err, runs)
+	}
+}
