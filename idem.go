@@ -22,9 +22,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
-	"strings"
 	"time"
-	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -463,8 +461,9 @@ type errorString string
 func (e errorString) Error() string { return string(e) }
 
 // checkText rejects what PostgreSQL text cannot hold (NUL bytes, invalid
-// UTF-8) before it reaches the server, whose own error would be obscure.
-// Lengths and blankness are checked by the SQL functions, the one authority.
+// UTF-8: CheckText) before it reaches the server, whose own error would be
+// obscure. Lengths and blankness are checked by the SQL functions, the one
+// authority.
 func checkText(op, source, key string, more ...string) error {
 	names := [...]string{"source", "key", "fingerprint", "event type"}
 	for i := range 2 + len(more) {
@@ -475,17 +474,11 @@ func checkText(op, source, key string, more ...string) error {
 		case i > 1:
 			s = more[i-2]
 		}
-		var problem string
-		switch {
-		case !utf8.ValidString(s):
-			problem = " is not valid UTF-8"
-		case strings.IndexByte(s, 0) >= 0:
-			problem = " contains a NUL byte"
-		default:
-			continue
+		if err := CheckText(names[min(i, len(names)-1)], s); err != nil {
+			e := err.(*Error)
+			e.Op, e.Source, e.Key = op, source, key
+			return e
 		}
-		return &Error{Op: op, Source: source, Key: key, Kind: ErrInvalidInput,
-			Err: errorString(names[min(i, len(names)-1)] + problem)}
 	}
 	return nil
 }

@@ -50,6 +50,24 @@ func StorableText(s string) string {
 	return s
 }
 
+// CheckText reports, as an *Error matching ErrInvalidInput naming what,
+// a text PostgreSQL's text (and jsonb) cannot hold: invalid UTF-8, or a
+// NUL character. Sources, keys, fingerprints and event types are checked
+// with it before a claim, and the inbox checks what it stores with a
+// delivery (its request target, route pattern, host and headers).
+func CheckText(what, s string) error {
+	var problem string
+	switch {
+	case !utf8.ValidString(s):
+		problem = " is not valid UTF-8"
+	case strings.IndexByte(s, 0) >= 0:
+		problem = " contains a NUL byte"
+	default:
+		return nil
+	}
+	return &Error{Kind: ErrInvalidInput, Err: errorString(what + problem)}
+}
+
 // CheckResult reports, as an *Error matching ErrInvalidInput, a result
 // PostgreSQL's jsonb would refuse: not valid UTF-8, not JSON, a \u0000
 // escape, a lone UTF-16 surrogate escape (\ud800 without its pair), or a

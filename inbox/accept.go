@@ -48,6 +48,9 @@ func (in *Inbox) AcceptTx(ctx context.Context, tx pgx.Tx, d *Delivery) (Acceptan
 	if err := in.refuseCitus(ctx, tx); err != nil {
 		return Acceptance{}, err
 	}
+	if err := checkStorable(d); err != nil {
+		return Acceptance{}, fmt.Errorf("inbox: accept %q/%q: %w", idem.Quote(d.Source), idem.Quote(d.Key), err)
+	}
 	if d.GuardSource != "" {
 		// The replay guard: the signed body, claimed for this key.
 		g, err := in.idem.WithTx(tx).Claim(ctx, d.GuardSource, d.GuardKey, in.claimOptions(d.Key, "", d.TTL)...)
@@ -81,11 +84,35 @@ func (in *Inbox) AcceptTx(ctx context.Context, tx pgx.Tx, d *Delivery) (Acceptan
 	id, err := in.enqueue(ctx, tx, cl, Job{
 		Source: d.Source, Key: d.Key, EventType: d.EventType, Payload: d.Payload, Header: d.Header,
 		AcceptedAt: accepted.UTC(), TTLMillis: d.TTL.Milliseconds(), LeaseMillis: d.Lease.Milliseconds(),
+		Target: d.Target, Host: d.Host, Pattern: d.Pattern,
 	})
 	if err != nil {
 		return Acceptance{}, err
 	}
 	return Acceptance{Outcome: cl.Outcome, JobID: id}, nil
+}
+
+// checkStorable refuses, with idem.ErrInvalidInput, a delivery whose texts
+// its job could not store as they are (River keeps a job's arguments as
+// jsonb, which holds no NUL and would turn invalid UTF-8 into U+FFFD): its
+// request target, host, route pattern and kept headers.
+func checkStorable(d *Delivery) error {
+	for what, s := range map[string]string{"request target": d.Target, "host": d.Host, "route pattern": d.Pattern} {
+		if err := idem.CheckText(what, s); err != nil {
+			return err
+		}
+	}
+	for name, values := range d.Header {
+		if err := idem.CheckText("header name", name); err != nil {
+			return err
+		}
+		for _, v := range values {
+			if err := idem.CheckText("header "+name, v); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
 }
 
 // claimOptions are the options of every claim the inbox makes, accepting

@@ -34,6 +34,10 @@ type Job struct {
 	// The delivery's own retention and lease (0: the Inbox's).
 	TTLMillis   int64 `json:"ttl_ms,omitempty"`
 	LeaseMillis int64 `json:"lease_ms,omitempty"`
+	// The request the delivery arrived as (Delivery.Target, Host, Pattern).
+	Target  string `json:"target,omitempty"`
+	Host    string `json:"host,omitempty"`
+	Pattern string `json:"pattern,omitempty"`
 }
 
 // Kind implements river.JobArgs.
@@ -182,7 +186,7 @@ func (w *worker) run(ctx context.Context, job *river.Job[Job], cl *idem.Claim) e
 		_ = tx.Rollback(rctx)
 	}()
 	d := &Delivery{Source: a.Source, Key: a.Key, EventType: a.EventType, Payload: a.Payload, Header: a.Header,
-		AcceptedAt: a.AcceptedAt, Attempt: job.Attempt}
+		AcceptedAt: a.AcceptedAt, Attempt: job.Attempt, Target: a.Target, Host: a.Host, Pattern: a.Pattern}
 	result, err := call(ctx, h, tx, d)
 	if err != nil {
 		return err
