@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -93,9 +94,12 @@ func (in *Inbox) AcceptTx(ctx context.Context, tx pgx.Tx, d *Delivery) (Acceptan
 }
 
 // checkStorable refuses, with idem.ErrInvalidInput, a delivery whose texts
-// its job could not store as they are (River keeps a job's arguments as
-// jsonb, which holds no NUL and would turn invalid UTF-8 into U+FFFD): its
-// request target, host, route pattern and kept headers.
+// its job could not store (River keeps a job's arguments as jsonb, which
+// holds no NUL): its request target, host and route pattern (also refused
+// when not UTF-8; idemhttp's are always storable) and kept headers. A
+// header value that is not UTF-8 (a Latin-1 User-Agent, which HTTP allows)
+// is kept with U+FFFD in place of each invalid byte, as encoding/json
+// writes it, rather than refusing the delivery for it.
 func checkStorable(d *Delivery) error {
 	for what, s := range map[string]string{"request target": d.Target, "host": d.Host, "route pattern": d.Pattern} {
 		if err := idem.CheckText(what, s); err != nil {
@@ -103,12 +107,9 @@ func checkStorable(d *Delivery) error {
 		}
 	}
 	for name, values := range d.Header {
-		if err := idem.CheckText("header name", name); err != nil {
-			return err
-		}
-		for _, v := range values {
-			if err := idem.CheckText("header "+name, v); err != nil {
-				return err
+		for _, v := range append([]string{name}, values...) {
+			if strings.IndexByte(v, 0) >= 0 {
+				return idem.CheckText("header "+strings.ToValidUTF8(name, "\uFFFD"), v)
 			}
 		}
 	}

@@ -84,10 +84,11 @@ func TestFromHTTPRequestTarget(t *testing.T) {
 	})
 }
 
-// TestAcceptRefusesUnstorableTexts: a delivery whose request target, host,
-// pattern or header holds a NUL or invalid UTF-8 (which River's jsonb job
-// arguments cannot keep as they are) is refused with idem.ErrInvalidInput
-// and inserts nothing.
+// TestAcceptRefusesUnstorableTexts: a delivery whose request target, host
+// or pattern holds a NUL or invalid UTF-8, or whose header holds a NUL
+// (which River's jsonb job arguments cannot keep), is refused with
+// idem.ErrInvalidInput and inserts nothing; a header value that is not
+// UTF-8 (HTTP allows Latin-1) is accepted.
 func TestAcceptRefusesUnstorableTexts(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -97,11 +98,11 @@ func TestAcceptRefusesUnstorableTexts(t *testing.T) {
 		t.Fatal(err)
 	}
 	for name, d := range map[string]*inbox.Delivery{
-		"target NUL":     {Target: "/a\x00b"},
-		"host invalid":   {Host: "h\xff"},
-		"pattern NUL":    {Pattern: "POST /\x00"},
-		"header NUL":     {Header: http.Header{"X-A": {"a\x00"}}},
-		"header invalid": {Header: http.Header{"X-A": {"\xc3"}}},
+		"target NUL":      {Target: "/a\x00b"},
+		"host invalid":    {Host: "h\xff"},
+		"pattern NUL":     {Pattern: "POST /\x00"},
+		"header NUL":      {Header: http.Header{"X-A": {"a\x00"}}},
+		"header name NUL": {Header: http.Header{"X-\x00": {"a"}}},
 	} {
 		d.Source, d.Key, d.Payload = "bad", name, []byte(`{}`)
 		if _, err := in.Accept(ctx, d); !errors.Is(err, idem.ErrInvalidInput) {
@@ -110,5 +111,9 @@ func TestAcceptRefusesUnstorableTexts(t *testing.T) {
 	}
 	if n := count(t, pool, `SELECT count(*) FROM river_job`); n != 0 {
 		t.Fatalf("%d jobs inserted", n)
+	}
+	if _, err := in.Accept(ctx, &inbox.Delivery{Source: "bad", Key: "latin-1 header", Payload: []byte(`{}`),
+		Header: http.Header{"User-Agent": {"caf\xe9"}}}); err != nil {
+		t.Fatalf("a Latin-1 header: %v", err)
 	}
 }
