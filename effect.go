@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"strings"
 	"time"
+
+	"github.com/idemkit/idem/internal/sqlstate"
 )
 
 // Effects. Some work cannot roll back with a transaction: an email sent, a
@@ -192,15 +194,19 @@ func (c *Client) Effect(ctx context.Context, name string, fn func(ctx context.Co
 		o(&a)
 	}
 	var copts []ClaimOption
-	if ttl := ev.ExpiresAt.Sub(ev.FirstSeen); !ev.FirstSeen.IsZero() && ttl > 0 {
+	var ttl time.Duration
+	if t := ev.ExpiresAt.Sub(ev.FirstSeen); !ev.FirstSeen.IsZero() && t > 0 {
 		// The effect outlives its event: both retentions are counted by
-		// the database's clock, the effect's from a later first sight.
-		copts = append(copts, WithTTL(min(max(ttl, time.Minute), 10*365*24*time.Hour)))
+		// the database's clock, the effect's from a later first sight. It
+		// is kept at least as long as its own lease (a lease longer than
+		// the retention is refused).
+		ttl = min(max(t, time.Minute, a.lease), 10*365*24*time.Hour)
+		copts = append(copts, WithTTL(ttl))
 	}
 	if a.lease != 0 {
 		copts = append(copts, WithLease(a.lease))
 	}
-	res, err := c.Do(ctx, source, key, func(ctx context.Context) (any, error) {
+	work := func(ctx context.Context) (any, error) {
 		cl, _ := EventFrom(ctx) // Do attached the effect's own claim
 		eff := &Effect{Name: name, EventSource: ev.Source, EventKey: ev.Key, Source: source, Key: key,
 			Attempt: cl.Attempt, PreviousError: cl.Error}
@@ -217,7 +223,15 @@ func (c *Client) Effect(ctx context.Context, name string, fn func(ctx context.Co
 			err = Permanent(err)
 		}
 		return v, err
-	}, copts...)
+	}
+	res, err := c.Do(ctx, source, key, work, copts...)
+	if a.lease == 0 && ttl > 0 && leaseOverTTL(err) {
+		// The effects' policy lease is longer than the event's retention,
+		// which the effect takes (an event with a TTL of a minute, the
+		// default lease of two): the claim refused the pair before
+		// anything ran. The effect's lease is its retention instead.
+		res, err = c.Do(ctx, source, key, work, append(copts, WithLease(ttl))...)
+	}
 	if err != nil {
 		var f *FailedError
 		switch {
@@ -234,6 +248,13 @@ func (c *Client) Effect(ctx context.Context, name string, fn func(ctx context.Co
 		return res, e
 	}
 	return res, nil
+}
+
+// leaseOverTTL reports idem.claim's refusal of a lease longer than the
+// retention (22023, "lease ... is longer than ttl ...").
+func leaseOverTTL(err error) bool {
+	return errors.Is(err, ErrInvalidInput) && sqlstate.Of(err) == sqlstate.InvalidParameterValue &&
+		strings.Contains(err.Error(), " is longer than ttl ")
 }
 
 // EffectKey returns the key of the effect name of the event (source, key):
