@@ -2,6 +2,7 @@ package idem_test
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -396,5 +397,36 @@ func TestCacheListenerKilled(t *testing.T) {
 		if time.Now().After(deadline) {
 			t.Fatal("the cache did not come back after the listener reconnected")
 		}
+	}
+}
+
+// TestCacheOwnCopy: the duplicate whose claim filled the cache gets bytes
+// of its own: masking a field of its Result in place does not change what
+// later duplicates are answered. Before, the cache kept the very slice it
+// handed to that caller.
+func TestCacheOwnCopy(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, _ := setup(t)
+	countEvery(t, pool, "own")
+	c := cachedClient(t, pool)
+	warmCache(t, c, pool, "own", "warm", "")
+	work := func(context.Context) (any, error) { return map[string]string{"card": "4242"}, nil }
+	if _, err := c.Do(ctx, "own", "k", work); err != nil {
+		t.Fatal(err)
+	}
+	filled, err := c.Do(ctx, "own", "k", work) // answered by the database, cached
+	if err != nil || !filled.Replayed {
+		t.Fatalf("%+v %v", filled, err)
+	}
+	want := string(filled.Result)
+	copy(filled.Result[bytes.Index(filled.Result, []byte("4242")):], "****")
+	before := counted(t, pool, "own")
+	again, err := c.Do(ctx, "own", "k", work)
+	if err != nil || counted(t, pool, "own") != before {
+		t.Fatalf("not answered by the cache: %v", err)
+	}
+	if string(again.Result) != want {
+		t.Fatalf("the cache answered %s after the first duplicate masked its copy; want %s", again.Result, want)
 	}
 }

@@ -49,9 +49,9 @@ func TestValueBytes(t *testing.T) {
 	}
 }
 
-// TestEffectShortTTL: an event whose TTL (1 minute, with a lease of 30 s) is under the effects
-// lease (the default policy's, 2 minutes) runs its effect once, replayed
-// after; with EffectLease over the TTL too. Before, the effect's claim was
+// TestEffectShortTTL: an event whose TTL (1 minute, with a lease of 30 s)
+// is under the effects' lease (the default policy's, 2 minutes) runs its
+// effect once, replayed after; with EffectLease over the TTL too. Before, the effect's claim was
 // refused on every delivery ("lease 00:02:00 is longer than ttl
 // 00:01:00"): the library chose both values and chose an invalid pair.
 func TestEffectShortTTL(t *testing.T) {
