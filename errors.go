@@ -7,8 +7,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // Sentinel errors. Every error the package returns for one of these causes
@@ -167,7 +169,12 @@ func convert(op, source, key string, err error) error {
 		case sqlstate.UndefinedObject:
 			e.Kind = ErrUnknownPolicy
 		case sqlstate.FeatureNotSupported:
-			e.Kind = ErrIsolationNotSupported
+			// idem.claim's refusal of REPEATABLE READ; other 0A000s (a
+			// cached plan whose result type changed under a migration)
+			// are no isolation error.
+			if isolationRefused(err) {
+				e.Kind = ErrIsolationNotSupported
+			}
 		case sqlstate.SerializationFailure, sqlstate.DeadlockDetected:
 			e.Kind = ErrSerialization
 		case sqlstate.InvalidSchemaName, sqlstate.UndefinedFunction, sqlstate.UndefinedTable:
@@ -181,6 +188,12 @@ func convert(op, source, key string, err error) error {
 		e.Kind = ErrNotMigrated
 	}
 	return e
+}
+
+// isolationRefused: err is idem.claim's refusal of REPEATABLE READ.
+func isolationRefused(err error) bool {
+	var pg *pgconn.PgError
+	return errors.As(err, &pg) && pg.Code == sqlstate.FeatureNotSupported && strings.Contains(pg.Message, "REPEATABLE READ")
 }
 
 // outcomeErr maps the text outcome of complete/fail/extend to an error.
@@ -217,6 +230,11 @@ func transient(err error) bool {
 		switch code {
 		case sqlstate.InvalidSQLStatement, sqlstate.DuplicatePreparedStmt, sqlstate.LockNotAvailable:
 			return true
+		case sqlstate.FeatureNotSupported:
+			// pgx drops a cached statement whose plan's result type
+			// changed (a migration under a running client); sent again, it
+			// is prepared afresh.
+			return strings.Contains(err.Error(), "cached plan must not change result type")
 		}
 		switch sqlstate.Class(err) {
 		case "08", "40", "53", "57", "58":
