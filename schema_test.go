@@ -6,6 +6,8 @@ import (
 	"errors"
 	"testing"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/internal/testdb"
 	"github.com/idemkit/idem/migrate"
@@ -67,5 +69,40 @@ func TestOldSchema(t *testing.T) {
 	res, err := running.Do(ctx, "old", "running", work)
 	if err != nil || !res.Replayed || runs != 1 {
 		t.Fatalf("after migrate up: %+v %v, ran %d times", res, err, runs)
+	}
+}
+
+// TestDuplicatesReadOnly: on a connection whose transactions are read-only
+// (as on a hot standby), every duplicate of a completed key is answered
+// from the stored result, with the duplicate counter sampling each one
+// (migration 16). Before, each sampled duplicate (one in eight by default)
+// failed with 25006.
+func TestDuplicatesReadOnly(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.Pool(t, url, 2)
+	if _, err := pool.Exec(ctx, `INSERT INTO idem.policies (source, ttl, lease, duplicate_sampling) VALUES ('ro', '1 day', '1 minute', 1)`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := idem.New(pool, nil).Do(ctx, "ro", "k", func(context.Context) (any, error) { return 1, nil }); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.RuntimeParams["default_transaction_read_only"] = "on"
+	ro, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(ro.Close)
+	standby := idem.New(ro, nil)
+	for range 50 {
+		res, err := standby.Do(ctx, "ro", "k", func(context.Context) (any, error) { return nil, errors.New("ran on the standby") })
+		if err != nil || !res.Replayed || string(res.Result) != "1" {
+			t.Fatalf("read-only duplicate: %+v %v", res, err)
+		}
 	}
 }

@@ -17,11 +17,12 @@ func TestMigrateCommand(t *testing.T) {
 		args []string
 		want string
 	}{
-		{[]string{"migrate", "up"}, "applied 00013_idem_claim_citus.sql"},
+		{[]string{"migrate", "up"}, "applied 00016_idem_standby_duplicates.sql"},
 		{[]string{"migrate", "up"}, "idem schema is up to date"},
-		{[]string{"migrate", "version"}, "13"},
+		{[]string{"migrate", "version"}, "16"},
 		{[]string{"migrate", "status"}, "00001_idem_core.sql                      applied"},
 		{[]string{"migrate", "status", "--citus"}, ""}, // replaced below: --citus is for up
+		{[]string{"migrate", "down"}, "rolled back 00016_idem_standby_duplicates.sql"},
 		{[]string{"migrate", "down"}, "rolled back 00013_idem_claim_citus.sql"},
 		{[]string{"migrate", "down"}, "rolled back 00012_idem_rights.sql"},
 		{[]string{"migrate", "down"}, "rolled back 00011_idem_citus.sql"},
