@@ -164,7 +164,9 @@ func (e *EffectError) Unwrap() []error {
 // transaction; later calls for the same event and name return the stored
 // result with Replayed set, without running fn. It is Do on that key, with
 // Do's heartbeat, recording, panics, Permanent and lease loss, and its
-// retention is the event's. Call it on a pool-backed Client.
+// retention is the event's (at least its EffectLease; when the effects'
+// policy lease is longer than the event's retention, the effect's lease is
+// that retention). Call it on a pool-backed Client.
 //
 // Errors are *EffectError. While another run of the same event holds the
 // effect, it returns ErrInProgress: fail the event's work, and its retry

@@ -175,7 +175,10 @@ type Client struct {
 	schema *schemaState   // shared with the clients WithTx derives
 }
 
-// New returns a Client over a pgx pool, connection or transaction.
+// New returns a Client over a pgx pool, connection or transaction. Before
+// its first claim a client checks, with one query, that schema idem has
+// every function it calls, and refuses to claim with ErrNotMigrated
+// otherwise (the clients WithTx derives share the check).
 func New(db PgxExecutor, cfg *Config) *Client {
 	c, err := defaults(cfg)
 	mode := &execMode{fixed: c.QueryExecMode, log: c.Logger}
@@ -194,6 +197,10 @@ func New(db PgxExecutor, cfg *Config) *Client {
 }
 
 // NewSQL returns a Client over database/sql: a *sql.DB, *sql.Conn or *sql.Tx.
+// Over pgx's stdlib driver (a *sql.DB or *sql.Conn), it adapts its
+// execution mode to a transaction pooler as New does
+// (Config.QueryExecMode). It checks the schema before its first claim, as
+// New does.
 func NewSQL(db SQLExecutor, cfg *Config) *Client {
 	c, err := defaults(cfg)
 	if err == nil && c.Cache != nil {
