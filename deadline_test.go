@@ -26,6 +26,8 @@ func TestWaitDeadlineMidClaim(t *testing.T) {
 	if err != nil || orig.Outcome != idem.Acquired {
 		t.Fatalf("%+v %v", orig, err)
 	}
+	const wait = 1500 * time.Millisecond
+	start := time.Now()
 	var runs atomic.Int32
 	type answer struct {
 		res *idem.Result
@@ -36,7 +38,7 @@ func TestWaitDeadlineMidClaim(t *testing.T) {
 		res, err := c.Do(ctx, "wd", "k", func(context.Context) (any, error) {
 			runs.Add(1)
 			return map[string]int{"n": 1}, nil
-		}, idem.WithWait(300*time.Millisecond))
+		}, idem.WithWait(wait))
 		done <- answer{res, err}
 	}()
 	// The duplicate waits; another transaction's claim takes the key's
@@ -59,7 +61,7 @@ func TestWaitDeadlineMidClaim(t *testing.T) {
 	for {
 		var n int
 		if err := pool.QueryRow(ctx, `SELECT count(*)::int FROM pg_stat_activity
-		    WHERE state = 'active' AND query LIKE '%idem.claim(%' AND pid <> pg_backend_pid()`).Scan(&n); err != nil {
+		    WHERE datname = current_database() AND state = 'active' AND query LIKE '%idem.claim(%' AND pid <> pg_backend_pid()`).Scan(&n); err != nil {
 			t.Fatal(err)
 		}
 		if n > 0 {
@@ -70,7 +72,7 @@ func TestWaitDeadlineMidClaim(t *testing.T) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	time.Sleep(600 * time.Millisecond)
+	time.Sleep(time.Until(start.Add(wait + 500*time.Millisecond))) // past the wait's deadline
 	if err := tx.Rollback(ctx); err != nil {
 		t.Fatal(err)
 	}
