@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"net/url"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -39,8 +40,13 @@ func FromHTTP(h http.Handler) Handler {
 		if target == "" {
 			target = "/"
 		}
-		req, err := http.NewRequestWithContext(ctx, http.MethodPost, target, bytes.NewReader(d.Payload))
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, "/", bytes.NewReader(d.Payload))
 		if err != nil {
+			return nil, err
+		}
+		// Parsed as the server parsed it (a path starting with "//" is a
+		// path, not a host).
+		if req.URL, err = url.ParseRequestURI(target); err != nil {
 			return nil, idem.Permanent(fmt.Errorf("inbox: the delivery's request target %q: %w", target, err))
 		}
 		req.RequestURI = target

@@ -79,6 +79,13 @@ func TestFromHTTPRequestTarget(t *testing.T) {
 		dead, _ := in.DeadLetters(context.Background(), inbox.Filter{})
 		t.Fatalf("the handler never saw its tenant; dead letters %+v", dead)
 	}
+	// A target whose path starts with "//" is replayed as that path, as
+	// the server parsed it, not as a host.
+	var path string
+	h2 := inbox.FromHTTP(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { path = r.URL.Path + "|" + r.URL.Host }))
+	if _, err := h2(context.Background(), nil, &inbox.Delivery{Target: "//evil.example/x?y=1"}); err != nil || path != "//evil.example/x|" {
+		t.Fatalf("a // target: %q %v", path, err)
+	}
 	waitFor(t, "the event processed", func() bool {
 		return count(t, pool, `SELECT count(*) FROM idem.processed_events WHERE source = 'tenants' AND status = 'completed'`) == 1
 	})
