@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/internal/pgcluster"
 	"github.com/idemkit/idem/internal/testdb"
 	"github.com/idemkit/idem/migrate"
 )
@@ -104,5 +105,55 @@ func TestDuplicatesReadOnly(t *testing.T) {
 		if err != nil || !res.Replayed || string(res.Result) != "1" {
 			t.Fatalf("read-only duplicate: %+v %v", res, err)
 		}
+	}
+}
+
+// TestDuplicatesOnStandby: on a real hot standby (streaming replication
+// from a primary of its own), every duplicate of a completed key is
+// answered from its stored result, with the duplicate counter sampling
+// each one (migration 16), and a new key is refused, not run. Before, each
+// sampled duplicate (one in eight by default) failed with 25006.
+func TestDuplicatesOnStandby(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	primary, err := pgcluster.Start(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(primary.Stop)
+	db, err := sql.Open("pgx", primary.URL("postgres"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	if _, err := migrate.Up(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.ExecContext(ctx, `INSERT INTO idem.policies (source, ttl, lease, duplicate_sampling) VALUES ('ro', '1 day', '1 minute', 1)`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := idem.NewSQL(db, nil).Do(ctx, "ro", "k", func(context.Context) (any, error) { return 1, nil }); err != nil {
+		t.Fatal(err)
+	}
+	standby, err := primary.Standby(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(standby.Stop)
+	pool := testdb.Pool(t, standby.URL("postgres"), 2)
+	var inRecovery bool
+	if err := pool.QueryRow(ctx, `SELECT pg_is_in_recovery()`).Scan(&inRecovery); err != nil || !inRecovery {
+		t.Fatalf("not a standby: %v %v", inRecovery, err)
+	}
+	c := idem.New(pool, nil)
+	for range 50 {
+		res, err := c.Do(ctx, "ro", "k", func(context.Context) (any, error) { return nil, errors.New("ran on the standby") })
+		if err != nil || !res.Replayed || string(res.Result) != "1" {
+			t.Fatalf("duplicate on the standby: %+v %v", res, err)
+		}
+	}
+	ran := false
+	if _, err := c.Do(ctx, "ro", "new", func(context.Context) (any, error) { ran = true; return 1, nil }); err == nil || ran {
+		t.Fatalf("a new key on the standby: ran %v, %v", ran, err)
 	}
 }
