@@ -51,6 +51,8 @@ fuzz:
 	go test -run '^$$' -fuzz '^FuzzHashKey$$' -fuzztime $(FUZZTIME) .
 	go test -run '^$$' -fuzz '^FuzzClaimInput$$' -fuzztime $(FUZZTIME) .
 	go test -run '^$$' -fuzz '^FuzzCompositeKeys$$' -fuzztime $(FUZZTIME) .
+	go test -run '^$$' -fuzz '^FuzzStorable$$' -fuzztime $(FUZZTIME) .
+	go test -run '^$$' -fuzz '^FuzzInboxOutcomes$$' -fuzztime $(FUZZTIME) ./inbox
 	go test -run '^$$' -fuzz '^FuzzIdempotencyKeyHeader$$' -fuzztime $(FUZZTIME) ./idemhttp
 
 # The long reliability run (docs/reliability.md): 50,000 keys x 16, five

@@ -140,6 +140,10 @@ func (c *cache) put(source, key, fingerprint string, cl *Claim, gen uint64) {
 		return // a release was heard while the claim was read
 	}
 	e := &cacheEntry{id: id, digest: digest, fingerprint: fingerprint, claim: *cl, until: now.Add(c.maxAge)}
+	if cl.Result != nil {
+		// A copy: the caller that filled the cache holds cl.Result.
+		e.claim.Result = append(cl.Result[:0:0], cl.Result...)
+	}
 	if el, ok := c.byKey[id]; ok {
 		el.Value = e
 		c.lru.MoveToFront(el)

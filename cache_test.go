@@ -2,6 +2,7 @@ package idem_test
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -484,5 +485,53 @@ func TestSourceRuleIsOneRule(t *testing.T) {
 		if goRefused != sqlRefused {
 			t.Errorf("source %q: the client refused it: %v (%v); check_key refused it: %v (%v)", src, goRefused, goErr, sqlRefused, sqlErr)
 		}
+	}
+}
+
+// TestCacheOwnCopy: the duplicate whose claim filled the cache gets bytes
+// of its own: masking a field of its Result in place does not change what
+// later duplicates are answered. Before, the cache kept the very slice it
+// handed to that caller.
+func TestCacheOwnCopy(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, _ := setup(t)
+	countEvery(t, pool, "own")
+	c := cachedClient(t, pool)
+	warmCache(t, c, pool, "own", "warm", "")
+	work := func(context.Context) (any, error) { return map[string]string{"card": "4242"}, nil }
+	// A duplicate answered by the database fills the cache, the next one
+	// is answered by the cache: tried on fresh keys until both happen in
+	// a row (the cache answers only while its listener is heard from).
+	for i := 0; ; i++ {
+		if i == 50 {
+			t.Fatal("never a database answer then a cache answer")
+		}
+		key := fmt.Sprintf("k%d", i)
+		if _, err := c.Do(ctx, "own", key, work); err != nil {
+			t.Fatal(err)
+		}
+		before := counted(t, pool, "own")
+		filled, err := c.Do(ctx, "own", key, work)
+		if err != nil || !filled.Replayed {
+			t.Fatalf("%+v %v", filled, err)
+		}
+		if counted(t, pool, "own") == before {
+			continue // answered by the cache: it filled nothing
+		}
+		want := string(filled.Result)
+		copy(filled.Result[bytes.Index(filled.Result, []byte("4242")):], "****")
+		before = counted(t, pool, "own")
+		again, err := c.Do(ctx, "own", key, work)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if counted(t, pool, "own") != before {
+			continue // not answered by the cache
+		}
+		if string(again.Result) != want {
+			t.Fatalf("the cache answered %s after the first duplicate masked its copy; want %s", again.Result, want)
+		}
+		return
 	}
 }

@@ -213,6 +213,8 @@ func marshalResult(v any) (json.RawMessage, error) {
 		return r, nil
 	case []byte:
 		return json.RawMessage(r), nil
+	case typedValue:
+		v = r.v
 	}
 	b, err := json.Marshal(v)
 	if err != nil {

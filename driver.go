@@ -7,6 +7,7 @@ import (
 	"database/sql"
 	"encoding/json"
 	"log/slog"
+	"reflect"
 	"sync/atomic"
 	"time"
 
@@ -63,6 +64,9 @@ type driver interface {
 	peek(ctx context.Context, source, key string) (string, time.Duration, error)
 	waitBegin(ctx context.Context, source, key string, wait time.Duration) (int64, error)
 	waitEnd(ctx context.Context, id int64) error
+	// missingFunctions returns those of the functions listed (';'
+	// separated signatures) that do not exist, '; ' separated.
+	missingFunctions(ctx context.Context, functions string) (string, error)
 	// cacheable reports whether what the executor's transaction reads is
 	// only what other transactions committed, each statement with a
 	// snapshot of its own (Config.Cache inside the caller's transaction).
@@ -70,6 +74,27 @@ type driver interface {
 	// concurrent reports whether the executor may be used from several
 	// goroutines at once (a pool), which Do's heartbeat needs.
 	concurrent() bool
+	// guard runs fn, under a savepoint when the executor is the caller's
+	// transaction and risky is set: a statement the server may refuse (a
+	// result over its size limit) then leaves the transaction usable.
+	guard(ctx context.Context, risky bool, fn func() error) error
+}
+
+// savepoint runs fn under a savepoint of the transaction exec runs in; a
+// failed fn is rolled back to it, so the transaction goes on. exec sends a
+// statement without arguments (both drivers send those with the simple
+// protocol: no prepared statement, which a transaction pooler keeps).
+func savepoint(ctx context.Context, exec func(ctx context.Context, sql string) error, fn func() error) error {
+	if err := exec(ctx, "SAVEPOINT idem_guard"); err != nil {
+		return err
+	}
+	if err := fn(); err != nil {
+		if exec(ctx, "ROLLBACK TO SAVEPOINT idem_guard") == nil {
+			_ = exec(ctx, "RELEASE SAVEPOINT idem_guard")
+		}
+		return err
+	}
+	return exec(ctx, "RELEASE SAVEPOINT idem_guard")
 }
 
 func msPtr(d time.Duration) *int64 {
@@ -204,6 +229,16 @@ func (d pgxDriver) concurrent() bool {
 	return ok
 }
 
+func (d pgxDriver) guard(ctx context.Context, risky bool, fn func() error) error {
+	if _, inTx := d.db.(pgx.Tx); !risky || !inTx {
+		return fn()
+	}
+	return savepoint(ctx, func(ctx context.Context, sql string) error {
+		_, err := d.db.Exec(ctx, sql)
+		return err
+	}, fn)
+}
+
 func tsOf(t pgtype.Timestamptz) time.Time {
 	if !t.Valid {
 		return time.Time{}
@@ -297,13 +332,100 @@ func (d pgxDriver) waitBegin(ctx context.Context, source, key string, wait time.
 func (d pgxDriver) waitEnd(ctx context.Context, id int64) error { return d.q.WaitEnd(ctx, id) }
 
 type sqlDriver struct {
-	q  *sqldb.Queries
-	db SQLExecutor
+	q    *sqldb.Queries
+	db   SQLExecutor
+	mode *execMode // nil unless the driver is pgx's stdlib (sqlExecMode)
+}
+
+func newSQLDriver(db SQLExecutor, mode *execMode) sqlDriver {
+	return sqlDriver{q: sqldb.New(sqlModeExecutor{db: db, mode: mode}), db: db, mode: mode}
+}
+
+// sqlExecMode returns the execution mode of a database/sql client whose
+// driver is pgx's stdlib, which takes a pgx.QueryExecMode as a leading
+// argument as pgx itself does (its default, the statement cache, names
+// prepared statements, which a transaction pooler such as PgBouncer before
+// 1.21 does not keep). nil for any other driver (lib/pq's default, unnamed
+// statements, needs no switch), and for a *sql.Tx given to NewSQL, whose
+// driver cannot be asked.
+func sqlExecMode(db SQLExecutor, fixed pgx.QueryExecMode, log *slog.Logger) *execMode {
+	var drv any
+	switch x := db.(type) {
+	case *sql.DB:
+		drv = x.Driver()
+	case *sql.Conn:
+		_ = x.Raw(func(c any) error { drv = c; return nil })
+	}
+	if drv == nil {
+		return nil
+	}
+	t := reflect.TypeOf(drv)
+	if t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	if t.PkgPath() != "github.com/jackc/pgx/v5/stdlib" {
+		return nil
+	}
+	return &execMode{fixed: fixed, log: log}
+}
+
+// sqlModeExecutor runs statements in the client's execution mode (pgx's
+// stdlib only).
+type sqlModeExecutor struct {
+	db   SQLExecutor
+	mode *execMode
+}
+
+func (e sqlModeExecutor) args(args []any) []any {
+	if e.mode == nil {
+		return args
+	}
+	return e.mode.args(args)
+}
+
+func (e sqlModeExecutor) ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error) {
+	return e.db.ExecContext(ctx, query, e.args(args)...)
+}
+
+func (e sqlModeExecutor) PrepareContext(ctx context.Context, query string) (*sql.Stmt, error) {
+	return e.db.PrepareContext(ctx, query)
+}
+
+func (e sqlModeExecutor) QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error) {
+	return e.db.QueryContext(ctx, query, e.args(args)...)
+}
+
+func (e sqlModeExecutor) QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row {
+	return e.db.QueryRowContext(ctx, query, e.args(args)...)
+}
+
+// sqlRetry runs one protocol call and, when the pooler refused its prepared
+// statement (which switches the client to exec mode), sends it once more,
+// outside a transaction (inside one, the transaction is aborted: the
+// caller retries it).
+func sqlRetry[T any](d sqlDriver, call func() (T, error)) (T, error) {
+	v, err := call()
+	if err != nil && d.mode != nil && d.mode.adapt(err) {
+		if _, inTx := d.db.(*sql.Tx); !inTx {
+			return call()
+		}
+	}
+	return v, err
 }
 
 func (d sqlDriver) concurrent() bool {
 	_, ok := d.db.(*sql.DB)
 	return ok
+}
+
+func (d sqlDriver) guard(ctx context.Context, risky bool, fn func() error) error {
+	if _, inTx := d.db.(*sql.Tx); !risky || !inTx {
+		return fn()
+	}
+	return savepoint(ctx, func(ctx context.Context, sql string) error {
+		_, err := d.db.ExecContext(ctx, sql)
+		return err
+	}, fn)
 }
 
 func nullStr(s string) sql.NullString { return sql.NullString{String: s, Valid: s != ""} }
@@ -318,10 +440,12 @@ func nullInt(p *int64) sql.NullInt64 {
 }
 
 func (d sqlDriver) claim(ctx context.Context, a claimArgs) (*Claim, error) {
-	row, err := d.q.Claim(ctx, sqldb.ClaimParams{
-		Source: a.source, Key: a.key,
-		Fingerprint: nullStr(a.fingerprint), EventType: nullStr(a.eventType),
-		TtlMs: nullMs(a.ttl), LeaseMs: nullMs(a.lease), LockWaitMs: nullInt(waitMs(a.lockWait)),
+	row, err := sqlRetry(d, func() (sqldb.ClaimRow, error) {
+		return d.q.Claim(ctx, sqldb.ClaimParams{
+			Source: a.source, Key: a.key,
+			Fingerprint: nullStr(a.fingerprint), EventType: nullStr(a.eventType),
+			TtlMs: nullMs(a.ttl), LeaseMs: nullMs(a.lease), LockWaitMs: nullInt(waitMs(a.lockWait)),
+		})
 	})
 	if err != nil {
 		return nil, err
@@ -364,37 +488,54 @@ func (d sqlDriver) claimUncounted(ctx context.Context, a claimArgs) (cl *Claim, 
 
 func (d sqlDriver) complete(ctx context.Context, source, key string, token int64, result []byte, echo bool) (string, []byte, error) {
 	if result == nil || !echo {
-		out, err := d.q.Complete(ctx, sqldb.CompleteParams{Source: source, Key: key, Token: token,
-			Result: sql.NullString{String: string(result), Valid: result != nil}})
+		out, err := sqlRetry(d, func() (string, error) {
+			return d.q.Complete(ctx, sqldb.CompleteParams{Source: source, Key: key, Token: token,
+				Result: sql.NullString{String: string(result), Valid: result != nil}})
+		})
 		return out, nil, err
 	}
-	row, err := d.q.CompleteStored(ctx, sqldb.CompleteStoredParams{Source: source, Key: key, Token: token, Result: string(result)})
+	row, err := sqlRetry(d, func() (sqldb.CompleteStoredRow, error) {
+		return d.q.CompleteStored(ctx, sqldb.CompleteStoredParams{Source: source, Key: key, Token: token, Result: string(result)})
+	})
 	return row.Outcome, []byte(row.Stored), err
 }
 
 func (d sqlDriver) completeUnstored(ctx context.Context, source, key string, token int64, reason string) (string, error) {
-	return d.q.CompleteUnstored(ctx, sqldb.CompleteUnstoredParams{Source: source, Key: key, Token: token, Reason: reason})
+	return sqlRetry(d, func() (string, error) {
+		return d.q.CompleteUnstored(ctx, sqldb.CompleteUnstoredParams{Source: source, Key: key, Token: token, Reason: reason})
+	})
 }
 
 func (d sqlDriver) fail(ctx context.Context, source, key string, token int64, msg string, retryable bool) (string, error) {
-	return d.q.Fail(ctx, sqldb.FailParams{Source: source, Key: key, Token: token,
-		Error: sql.NullString{String: msg, Valid: true}, Retryable: retryable})
+	return sqlRetry(d, func() (string, error) {
+		return d.q.Fail(ctx, sqldb.FailParams{Source: source, Key: key, Token: token,
+			Error: sql.NullString{String: msg, Valid: true}, Retryable: retryable})
+	})
 }
 
 func (d sqlDriver) extend(ctx context.Context, source, key string, token int64, lease time.Duration) (string, time.Time, error) {
-	row, err := d.q.Extend(ctx, sqldb.ExtendParams{Source: source, Key: key, Token: token, LeaseMs: nullMs(lease)})
+	row, err := sqlRetry(d, func() (sqldb.ExtendRow, error) {
+		return d.q.Extend(ctx, sqldb.ExtendParams{Source: source, Key: key, Token: token, LeaseMs: nullMs(lease)})
+	})
 	return row.Outcome, row.LeaseExpiresAt.Time, err
 }
 
 func (d sqlDriver) peek(ctx context.Context, source, key string) (string, time.Duration, error) {
-	row, err := d.q.Peek(ctx, sqldb.PeekParams{Source: source, Key: key})
+	row, err := sqlRetry(d, func() (sqldb.PeekRow, error) {
+		return d.q.Peek(ctx, sqldb.PeekParams{Source: source, Key: key})
+	})
 	return row.Status, time.Duration(row.LeaseRemainingMs) * time.Millisecond, err
 }
 
 func (d sqlDriver) waitBegin(ctx context.Context, source, key string, wait time.Duration) (int64, error) {
-	return d.q.WaitBegin(ctx, sqldb.WaitBeginParams{Source: source, Key: key, WaitMs: max(wait.Milliseconds(), 1)})
+	return sqlRetry(d, func() (int64, error) {
+		return d.q.WaitBegin(ctx, sqldb.WaitBeginParams{Source: source, Key: key, WaitMs: max(wait.Milliseconds(), 1)})
+	})
 }
 
 func (d sqlDriver) cacheable(context.Context) (bool, error) { return false, nil } // no cache on database/sql
 
-func (d sqlDriver) waitEnd(ctx context.Context, id int64) error { return d.q.WaitEnd(ctx, id) }
+func (d sqlDriver) waitEnd(ctx context.Context, id int64) error {
+	_, err := sqlRetry(d, func() (struct{}, error) { return struct{}{}, d.q.WaitEnd(ctx, id) })
+	return err
+}

@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"strings"
 	"time"
+
+	"github.com/idemkit/idem/internal/sqlstate"
 )
 
 // Effects. Some work cannot roll back with a transaction: an email sent, a
@@ -162,7 +164,9 @@ func (e *EffectError) Unwrap() []error {
 // transaction; later calls for the same event and name return the stored
 // result with Replayed set, without running fn. It is Do on that key, with
 // Do's heartbeat, recording, panics, Permanent and lease loss, and its
-// retention is the event's. Call it on a pool-backed Client.
+// retention is the event's (at least its EffectLease; when the effects'
+// policy lease is longer than the event's retention, the effect's lease is
+// that retention). Call it on a pool-backed Client.
 //
 // Errors are *EffectError. While another run of the same event holds the
 // effect, it returns ErrInProgress: fail the event's work, and its retry
@@ -189,15 +193,19 @@ func (c *Client) Effect(ctx context.Context, name string, fn func(ctx context.Co
 		o(&a)
 	}
 	var copts []ClaimOption
-	if ttl := ev.ExpiresAt.Sub(ev.FirstSeen); !ev.FirstSeen.IsZero() && ttl > 0 {
+	var ttl time.Duration
+	if t := ev.ExpiresAt.Sub(ev.FirstSeen); !ev.FirstSeen.IsZero() && t > 0 {
 		// The effect outlives its event: both retentions are counted by
-		// the database's clock, the effect's from a later first sight.
-		copts = append(copts, WithTTL(min(max(ttl, time.Minute), 10*365*24*time.Hour)))
+		// the database's clock, the effect's from a later first sight. It
+		// is kept at least as long as its own lease (a lease longer than
+		// the retention is refused).
+		ttl = min(max(t, time.Minute, a.lease), 10*365*24*time.Hour)
+		copts = append(copts, WithTTL(ttl))
 	}
 	if a.lease != 0 {
 		copts = append(copts, WithLease(a.lease))
 	}
-	res, err := c.Do(ctx, source, key, func(ctx context.Context) (any, error) {
+	work := func(ctx context.Context) (any, error) {
 		cl, _ := EventFrom(ctx) // Do attached the effect's own claim
 		eff := &Effect{Name: name, EventSource: ev.Source, EventKey: ev.Key, Source: source, Key: key,
 			Attempt: cl.Attempt, PreviousError: cl.Error}
@@ -214,7 +222,15 @@ func (c *Client) Effect(ctx context.Context, name string, fn func(ctx context.Co
 			err = Permanent(err)
 		}
 		return v, err
-	}, copts...)
+	}
+	res, err := c.Do(ctx, source, key, work, copts...)
+	if a.lease == 0 && ttl > 0 && leaseOverTTL(err) {
+		// The effects' policy lease is longer than the event's retention,
+		// which the effect takes (an event with a TTL of a minute, the
+		// default lease of two): the claim refused the pair before
+		// anything ran. The effect's lease is its retention instead.
+		res, err = c.Do(ctx, source, key, work, append(copts, WithLease(ttl))...)
+	}
 	if err != nil {
 		var f *FailedError
 		switch {
@@ -231,6 +247,13 @@ func (c *Client) Effect(ctx context.Context, name string, fn func(ctx context.Co
 		return res, e
 	}
 	return res, nil
+}
+
+// leaseOverTTL reports idem.claim's refusal of a lease longer than the
+// retention (22023, "lease ... is longer than ttl ...").
+func leaseOverTTL(err error) bool {
+	return errors.Is(err, ErrInvalidInput) && sqlstate.Of(err) == sqlstate.InvalidParameterValue &&
+		strings.Contains(err.Error(), " is longer than ttl ")
 }
 
 // EffectKey returns the key of the effect name of the event (source, key):

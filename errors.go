@@ -7,8 +7,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // Sentinel errors. Every error the package returns for one of these causes
@@ -17,8 +19,9 @@ import (
 var (
 	// ErrInvalidInput: an empty, blank, NULL, oversized, non-UTF-8 or
 	// NUL-containing source or key; a bad TTL, lease or lock wait; a result
-	// that is not JSON or holds a NUL character (\u0000). SQLSTATEs 22004,
-	// 22023, 22001, 22021, 22P02, 22P05.
+	// that is not JSON or holds a NUL character (\u0000), a lone UTF-16
+	// surrogate escape or a number beyond PostgreSQL's numeric (see
+	// CheckResult). SQLSTATEs 22004, 22023, 22001, 22021, 22P02, 22P05, 22003.
 	ErrInvalidInput = errors.New("idem: invalid input")
 	// ErrResultTooLarge: the stored result would exceed 1 MiB (SQLSTATE 54000).
 	ErrResultTooLarge = errors.New("idem: result too large")
@@ -158,14 +161,20 @@ func convert(op, source, key string, err error) error {
 	case code != "":
 		switch code {
 		case sqlstate.NullValueNotAllowed, sqlstate.InvalidParameterValue, sqlstate.StringDataRightTrunc,
-			sqlstate.CharacterNotInRepert, sqlstate.InvalidTextRepr, sqlstate.UntranslatableChar:
+			sqlstate.CharacterNotInRepert, sqlstate.InvalidTextRepr, sqlstate.UntranslatableChar,
+			sqlstate.NumericOutOfRange:
 			e.Kind = ErrInvalidInput
 		case sqlstate.ProgramLimitExceeded:
 			e.Kind = ErrResultTooLarge
 		case sqlstate.UndefinedObject:
 			e.Kind = ErrUnknownPolicy
 		case sqlstate.FeatureNotSupported:
-			e.Kind = ErrIsolationNotSupported
+			// idem.claim's refusal of REPEATABLE READ; other 0A000s (a
+			// cached plan whose result type changed under a migration)
+			// are no isolation error.
+			if isolationRefused(err) {
+				e.Kind = ErrIsolationNotSupported
+			}
 		case sqlstate.SerializationFailure, sqlstate.DeadlockDetected:
 			e.Kind = ErrSerialization
 		case sqlstate.InvalidSchemaName, sqlstate.UndefinedFunction, sqlstate.UndefinedTable:
@@ -179,6 +188,12 @@ func convert(op, source, key string, err error) error {
 		e.Kind = ErrNotMigrated
 	}
 	return e
+}
+
+// isolationRefused: err is idem.claim's refusal of REPEATABLE READ.
+func isolationRefused(err error) bool {
+	var pg *pgconn.PgError
+	return errors.As(err, &pg) && pg.Code == sqlstate.FeatureNotSupported && strings.Contains(pg.Message, "REPEATABLE READ")
 }
 
 // outcomeErr maps the text outcome of complete/fail/extend to an error.
@@ -215,6 +230,11 @@ func transient(err error) bool {
 		switch code {
 		case sqlstate.InvalidSQLStatement, sqlstate.DuplicatePreparedStmt, sqlstate.LockNotAvailable:
 			return true
+		case sqlstate.FeatureNotSupported:
+			// pgx drops a cached statement whose plan's result type
+			// changed (a migration under a running client); sent again, it
+			// is prepared afresh.
+			return strings.Contains(err.Error(), "cached plan must not change result type")
 		}
 		switch sqlstate.Class(err) {
 		case "08", "40", "53", "57", "58":

@@ -28,12 +28,11 @@ import (
 	"reflect"
 	"strings"
 	"time"
-	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/idemkit/idem/db/sqldb"
+	"github.com/idemkit/idem/internal/sqlstate"
 )
 
 // Outcome is what idem.claim decided.
@@ -97,7 +96,8 @@ type Config struct {
 	// negative value answers at once. WithLockWait overrides it per claim.
 	LockWait time.Duration
 	// QueryExecMode fixes the pgx execution mode of the protocol's
-	// statements (New only). Default (0): adaptive. The pool's own mode
+	// statements (New, and NewSQL over pgx's stdlib driver, which takes
+	// the mode as pgx does). Default (0): adaptive. The pool's own mode
 	// (pgx's statement cache, unless the pool says otherwise) until the
 	// server answers that a prepared statement is missing or already
 	// exists (SQLSTATE 26000 or 42P05: a transaction pooler, such as
@@ -169,19 +169,23 @@ func (c *Config) Validate() error {
 // Client runs the protocol on one executor: a pool, a connection or a
 // transaction. It is cheap; create one per transaction with WithTx.
 type Client struct {
-	d     driver
-	cfg   Config
-	mode  *execMode      // pgx clients: shared with the clients WithTx derives
-	wait  *time.Duration // Config.LockWait as claim's lock_wait: nil for the database's default
-	hub   *hub           // pgx pool clients: the waiters' and the cache's listener
-	cache *cache         // Config.Cache, on a pool client and the clients WithTx derives
-	inTx  bool           // derived by WithTx: reads the cache, puts only what another transaction committed
+	d      driver
+	cfg    Config
+	mode   *execMode      // pgx and pgx-stdlib clients: shared with the clients WithTx derives
+	wait   *time.Duration // Config.LockWait as claim's lock_wait: nil for the database's default
+	hub    *hub           // pgx pool clients: the waiters' and the cache's listener
+	cache  *cache         // Config.Cache, on a pool client and the clients WithTx derives
+	inTx   bool           // derived by WithTx: reads the cache, puts only what another transaction committed
+	schema *schemaState   // shared with the clients WithTx derives
 }
 
 // New returns a Client over a pgx pool, connection or transaction. It
 // validates cfg (Config.Validate) and returns ErrInvalidConfig, naming
 // the field, for a configuration it cannot run with: bad configuration
-// fails at start-up, not at the first claim.
+// fails at start-up, not at the first claim. Before its first claim a
+// client checks, with one query, that schema idem has every function it
+// calls, and refuses to claim with ErrNotMigrated otherwise (the clients
+// WithTx derives share the check).
 func New(db PgxExecutor, cfg *Config) (*Client, error) {
 	if isNil(db) {
 		return nil, fmt.Errorf("%w: New needs a database (a *pgxpool.Pool, *pgx.Conn or pgx.Tx), got nil", ErrInvalidConfig)
@@ -191,7 +195,7 @@ func New(db PgxExecutor, cfg *Config) (*Client, error) {
 		return nil, err
 	}
 	mode := &execMode{fixed: c.QueryExecMode, log: c.Logger}
-	cl := &Client{d: newPgxDriver(db, mode), cfg: c, mode: mode, wait: lockWait(c.LockWait)}
+	cl := &Client{d: newPgxDriver(db, mode), cfg: c, mode: mode, wait: lockWait(c.LockWait), schema: &schemaState{}}
 	pool, ok := db.(*pgxpool.Pool)
 	switch {
 	case ok && c.Cache != nil:
@@ -206,7 +210,10 @@ func New(db PgxExecutor, cfg *Config) (*Client, error) {
 }
 
 // NewSQL returns a Client over database/sql: a *sql.DB, *sql.Conn or
-// *sql.Tx. It validates cfg as New does.
+// *sql.Tx. It validates cfg as New does. Over pgx's stdlib driver (a
+// *sql.DB or *sql.Conn), it adapts its execution mode to a transaction
+// pooler as New does (Config.QueryExecMode). It checks the schema before
+// its first claim, as New does.
 func NewSQL(db SQLExecutor, cfg *Config) (*Client, error) {
 	if isNil(db) {
 		return nil, fmt.Errorf("%w: NewSQL needs a database (a *sql.DB, *sql.Conn or *sql.Tx), got nil", ErrInvalidConfig)
@@ -218,7 +225,8 @@ func NewSQL(db SQLExecutor, cfg *Config) (*Client, error) {
 	if c.Cache != nil {
 		return nil, fmt.Errorf("%w: Cache needs a client over a *pgxpool.Pool (New): it listens for releases, which database/sql cannot", ErrInvalidConfig)
 	}
-	return &Client{d: sqlDriver{q: sqldb.New(db), db: db}, cfg: c, wait: lockWait(c.LockWait)}, nil
+	mode := sqlExecMode(db, c.QueryExecMode, c.Logger)
+	return &Client{d: newSQLDriver(db, mode), cfg: c, mode: mode, wait: lockWait(c.LockWait), schema: &schemaState{}}, nil
 }
 
 // isNil: v is nil, or an interface holding a nil pointer.
@@ -288,12 +296,18 @@ func (c *Client) WithTx(tx pgx.Tx) *Client {
 		mode = &execMode{fixed: c.cfg.QueryExecMode, log: c.cfg.Logger}
 	}
 	return &Client{d: newPgxDriver(tx, mode), cfg: c.cfg, mode: mode, wait: c.wait,
-		hub: c.hub, cache: c.cache, inTx: true}
+		hub: c.hub, cache: c.cache, inTx: true, schema: c.schema}
 }
 
-// WithSQLTx is WithTx for database/sql.
+// WithSQLTx is WithTx for database/sql. A client of pgx's stdlib driver
+// shares its execution mode (Config.QueryExecMode) with the clients it
+// derives.
 func (c *Client) WithSQLTx(tx *sql.Tx) *Client {
-	return &Client{d: sqlDriver{q: sqldb.New(tx), db: tx}, cfg: c.cfg, wait: c.wait}
+	var mode *execMode
+	if _, sqlClient := c.d.(sqlDriver); sqlClient {
+		mode = c.mode
+	}
+	return &Client{d: newSQLDriver(tx, mode), cfg: c.cfg, mode: mode, wait: c.wait, schema: c.schema}
 }
 
 // ClaimOption adjusts one claim.
@@ -343,6 +357,9 @@ func (c *Client) claim(ctx context.Context, source, key string, opts []ClaimOpti
 	if err := c.checkWait(&a); err != nil {
 		return nil, err
 	}
+	if err := c.ready(ctx, source, key); err != nil {
+		return nil, err
+	}
 	var gen uint64
 	cached := c.cache != nil && c.hub.fresh()
 	if cached {
@@ -353,7 +370,9 @@ func (c *Client) claim(ctx context.Context, source, key string, opts []ClaimOpti
 	}
 	cl, err := c.d.claim(ctx, a)
 	if err != nil {
-		return nil, convert("claim", source, key, err)
+		err = convert("claim", source, key, err)
+		c.forgetSchema(err)
+		return nil, err
 	}
 	if cached && cl.Outcome == Completed && c.hub.fresh() {
 		ok := true
@@ -392,13 +411,29 @@ func (c *Client) complete(ctx context.Context, source, key string, token int64, 
 	if err := c.check("complete", source, key); err != nil {
 		return nil, err
 	}
-	if result != nil && !json.Valid(result) {
-		return nil, &Error{Op: "complete", Source: source, Key: key, Kind: ErrInvalidInput,
-			Err: errorString("result is not valid JSON")}
+	if err := CheckResult(result); err != nil {
+		e := err.(*Error)
+		e.Source, e.Key = source, key
+		return nil, e
 	}
-	out, stored, err := c.d.complete(ctx, source, key, token, result, echo)
+	var out string
+	var stored []byte
+	err := c.d.guard(ctx, len(result) > mayExceedLimit, func() (err error) {
+		out, stored, err = c.d.complete(ctx, source, key, token, result, echo)
+		return err
+	})
+	if err != nil && echo && c.d.concurrent() && sqlstate.Of(err) == sqlstate.UndefinedFunction {
+		// The schema was migrated down under the client (idem.complete_stored
+		// is version 11's): complete with version 1's idem.complete, so the
+		// work that ran is recorded; the next claim checks the schema again.
+		c.forgetSchema(ErrNotMigrated)
+		out, _, err = c.d.complete(ctx, source, key, token, result, false)
+		stored = result
+	}
 	if err != nil {
-		return nil, convert("complete", source, key, err)
+		err = convert("complete", source, key, err)
+		c.forgetSchema(err)
+		return nil, err
 	}
 	return stored, outcomeErr("complete", source, key, out)
 }
@@ -411,7 +446,7 @@ func (c *Client) CompleteUnstored(ctx context.Context, source, key string, token
 	if err := c.check("complete", source, key); err != nil {
 		return err
 	}
-	out, err := c.d.completeUnstored(ctx, source, key, token, sanitize(reason))
+	out, err := c.d.completeUnstored(ctx, source, key, token, StorableText(reason))
 	if err != nil {
 		return convert("complete", source, key, err)
 	}
@@ -425,7 +460,7 @@ func (c *Client) Fail(ctx context.Context, source, key string, token int64, msg 
 	if err := c.check("fail", source, key); err != nil {
 		return err
 	}
-	out, err := c.d.fail(ctx, source, key, token, sanitize(msg), retryable)
+	out, err := c.d.fail(ctx, source, key, token, StorableText(msg), retryable)
 	if err != nil {
 		return convert("fail", source, key, err)
 	}
@@ -455,11 +490,12 @@ type errorString string
 func (e errorString) Error() string { return string(e) }
 
 // checkText rejects what PostgreSQL text cannot hold (NUL bytes, invalid
-// UTF-8) before it reaches the server, whose own error would be obscure,
-// and a source holding an ASCII control character, as idem.check_key does
-// (migration 15): idem joins a source and a key with one (0x1F) for the
-// per-key lock and the wait channel, and the cache is consulted before the
-// server. Lengths and blankness are checked by the SQL functions.
+// UTF-8: CheckText) before it reaches the server, whose own error would be
+// obscure, and a source holding an ASCII control character, as
+// idem.check_key does (migration 15): idem joins a source and a key with
+// one (0x1F) for the per-key lock and the wait channel, and the cache is
+// consulted before the server. Lengths and blankness are checked by the
+// SQL functions.
 func checkText(op, source, key string, more ...string) error {
 	names := [...]string{"source", "key", "fingerprint", "event type"}
 	for i := range 2 + len(more) {
@@ -470,19 +506,15 @@ func checkText(op, source, key string, more ...string) error {
 		case i > 1:
 			s = more[i-2]
 		}
-		var problem string
-		switch {
-		case !utf8.ValidString(s):
-			problem = " is not valid UTF-8"
-		case strings.IndexByte(s, 0) >= 0:
-			problem = " contains a NUL byte"
-		case i == 0 && strings.IndexFunc(s, isControl) >= 0:
-			problem = " contains a control character"
-		default:
-			continue
+		if err := CheckText(names[min(i, len(names)-1)], s); err != nil {
+			e := err.(*Error)
+			e.Op, e.Source, e.Key = op, source, key
+			return e
 		}
-		return &Error{Op: op, Source: source, Key: key, Kind: ErrInvalidInput,
-			Err: errorString(names[min(i, len(names)-1)] + problem)}
+		if i == 0 && strings.IndexFunc(s, isControl) >= 0 {
+			return &Error{Op: op, Source: source, Key: key, Kind: ErrInvalidInput,
+				Err: errorString("source contains a control character")}
+		}
 	}
 	return nil
 }
@@ -490,9 +522,3 @@ func checkText(op, source, key string, more ...string) error {
 // isControl is an ASCII control character (0x00-0x1F, 0x7F): what a
 // source may not contain, in Go as in idem.check_key.
 func isControl(r rune) bool { return r < 0x20 || r == 0x7f }
-
-// sanitize makes an error message storable as text.
-func sanitize(s string) string {
-	s = strings.ToValidUTF8(s, "\uFFFD")
-	return strings.ReplaceAll(s, "\x00", "\uFFFD")
-}

@@ -20,7 +20,10 @@ import (
 // zero T and an error matching ErrResultNotStored. For Replayed, or the
 // claim (its LeaseRemaining when another worker holds the key), call Do.
 func DoValue[T any](ctx context.Context, c *Client, source, key string, fn func(ctx context.Context) (T, error), opts ...ClaimOption) (T, error) {
-	res, err := c.Do(ctx, source, key, func(ctx context.Context) (any, error) { return fn(ctx) }, opts...)
+	res, err := c.Do(ctx, source, key, func(ctx context.Context) (any, error) {
+		v, err := fn(ctx)
+		return typedValue{v}, err
+	}, opts...)
 	if err != nil {
 		var zero T
 		return zero, err
@@ -29,6 +32,12 @@ func DoValue[T any](ctx context.Context, c *Client, source, key string, fn func(
 		return &Error{Op: "do", Source: source, Key: key, Err: err}
 	})
 }
+
+// typedValue is a DoValue or EffectValue result: always marshalled with
+// encoding/json, as decodeResult decodes it (Do stores a bare []byte or
+// json.RawMessage as is, which would lose a []byte T: binary bytes are no
+// JSON, and bytes that are would not decode back into a []byte).
+type typedValue struct{ v any }
 
 // decodeResult decodes a stored result into a T; wrap makes its errors.
 func decodeResult[T any](res *Result, wrap func(error) error) (T, error) {
@@ -52,7 +61,10 @@ func decodeResult[T any](res *Result, wrap func(error) error) (T, error) {
 // the zero T and an error matching ErrResultNotStored.
 func EffectValue[T any](ctx context.Context, c *Client, name string, fn func(ctx context.Context) (T, error), opts ...EffectOption) (T, error) {
 	var zero T
-	res, err := c.Effect(ctx, name, func(ctx context.Context) (any, error) { return fn(ctx) }, opts...)
+	res, err := c.Effect(ctx, name, func(ctx context.Context) (any, error) {
+		v, err := fn(ctx)
+		return typedValue{v}, err
+	}, opts...)
 	if err != nil {
 		return zero, err
 	}

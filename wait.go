@@ -83,12 +83,13 @@ func (c *Client) waitFor(ctx context.Context, a claimArgs, cl *Claim) (*Claim, e
 		status, left, err := c.d.peek(wctx, a.source, a.key)
 		if err == nil && (status != "processing" || left <= 0) {
 			// Counted as a duplicate once, by the claim that found the
-			// key in progress: this one is not counted again.
-			next, err := c.d.claimUncounted(wctx, a)
+			// key in progress: this one is not counted again. It runs to
+			// its end even if the wait's deadline passes meanwhile (it is
+			// bounded by its lock wait): cut short, it could commit an
+			// acquisition that no one would know it holds, and the key
+			// would run nothing until its lease ended.
+			next, err := c.d.claimUncounted(ctx, a)
 			if err != nil {
-				if wctx.Err() != nil && ctx.Err() == nil {
-					return cl, nil // the wait ended mid-claim
-				}
 				return nil, convert("claim", a.source, a.key, err)
 			}
 			if next.Outcome != InProgress {

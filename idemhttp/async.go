@@ -3,9 +3,12 @@ package idemhttp
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net/http"
+	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/idemkit/idem"
 )
@@ -24,6 +27,42 @@ type Delivery struct {
 	// the key, with Key as its fingerprint, and treat a mismatch as a
 	// duplicate (a copy of the delivery under another delivery id).
 	GuardSource, GuardKey string
+	// Target is the request target the delivery arrived at, its path and
+	// query (RequestTarget); Host its Host; Pattern the http.ServeMux
+	// pattern that routed it ("" under another router). The inbox replays
+	// the delivery to its handler at the same target, through the same
+	// pattern, so the handler reads the same URL, query and r.PathValue.
+	Target, Host, Pattern string
+}
+
+// RequestTarget returns r's path and query as a storable text: the path
+// escaped as it arrived (r.URL.EscapedPath), and the raw query with each
+// byte that is not valid UTF-8 percent-encoded, which decodes to the same
+// values (r.URL.Query), while PostgreSQL's text could not hold the byte.
+func RequestTarget(r *http.Request) string {
+	target := r.URL.EscapedPath()
+	if target == "" {
+		target = "/"
+	}
+	q := r.URL.RawQuery
+	if q == "" && !r.URL.ForceQuery {
+		return target
+	}
+	var b strings.Builder
+	b.Grow(len(target) + 1 + len(q))
+	b.WriteString(target)
+	b.WriteByte('?')
+	for i := 0; i < len(q); {
+		c, size := utf8.DecodeRuneInString(q[i:])
+		if c == utf8.RuneError && size <= 1 || q[i] < 0x20 || q[i] == 0x7f {
+			fmt.Fprintf(&b, "%%%02X", q[i])
+			i++
+			continue
+		}
+		b.WriteString(q[i : i+size])
+		i += size
+	}
+	return b.String()
 }
 
 // Acceptor accepts deliveries for later processing (Config.Async). Package

@@ -396,7 +396,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 	if m.cfg.Async != nil {
 		d := &Delivery{Source: m.cfg.Source, Key: key, EventType: eventType,
 			Fingerprint: m.cfg.Fingerprint(r, body), Body: body, Header: m.keep(r.Header),
-			TTL: m.cfg.TTL, Lease: m.cfg.Lease}
+			TTL: m.cfg.TTL, Lease: m.cfg.Lease, Target: RequestTarget(r), Host: r.Host, Pattern: r.Pattern}
 		if m.cfg.guardBody {
 			d.GuardSource, d.GuardKey = m.cfg.Source+GuardSuffix, GuardKey(eventType, body)
 		}

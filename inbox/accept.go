@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -48,6 +49,9 @@ func (in *Inbox) AcceptTx(ctx context.Context, tx pgx.Tx, d *Delivery) (Acceptan
 	if err := in.refuseCitus(ctx, tx); err != nil {
 		return Acceptance{}, err
 	}
+	if err := checkStorable(d); err != nil {
+		return Acceptance{}, fmt.Errorf("inbox: accept %q/%q: %w", idem.Quote(d.Source), idem.Quote(d.Key), err)
+	}
 	if d.GuardSource != "" {
 		// The replay guard: the signed body, claimed for this key.
 		g, err := in.idem.WithTx(tx).Claim(ctx, d.GuardSource, d.GuardKey, in.claimOptions(d.Key, "", d.TTL)...)
@@ -82,11 +86,35 @@ func (in *Inbox) AcceptTx(ctx context.Context, tx pgx.Tx, d *Delivery) (Acceptan
 		Source: d.Source, Key: d.Key, EventType: d.EventType, Payload: d.Payload, Header: d.Header,
 		AcceptedAt: accepted.UTC(), TTLMillis: d.TTL.Milliseconds(), LeaseMillis: d.Lease.Milliseconds(),
 		MaxAttempts: in.maxAttempts(d.Source),
+		Target:      d.Target, Host: d.Host, Pattern: d.Pattern,
 	})
 	if err != nil {
 		return Acceptance{}, err
 	}
 	return Acceptance{Outcome: cl.Outcome, JobID: id}, nil
+}
+
+// checkStorable refuses, with idem.ErrInvalidInput, a delivery whose texts
+// its job could not store (River keeps a job's arguments as jsonb, which
+// holds no NUL): its request target, host and route pattern (also refused
+// when not UTF-8; idemhttp's are always storable) and kept headers. A
+// header value that is not UTF-8 (a Latin-1 User-Agent, which HTTP allows)
+// is kept with U+FFFD in place of each invalid byte, as encoding/json
+// writes it, rather than refusing the delivery for it.
+func checkStorable(d *Delivery) error {
+	for what, s := range map[string]string{"request target": d.Target, "host": d.Host, "route pattern": d.Pattern} {
+		if err := idem.CheckText(what, s); err != nil {
+			return err
+		}
+	}
+	for name, values := range d.Header {
+		for _, v := range append([]string{name}, values...) {
+			if strings.IndexByte(v, 0) >= 0 {
+				return idem.CheckText("header "+strings.ToValidUTF8(name, "\uFFFD"), v)
+			}
+		}
+	}
+	return nil
 }
 
 // claimOptions are the options of every claim the inbox makes, accepting

@@ -5,10 +5,12 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"net/url"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/idemhttp"
 )
 
@@ -17,28 +19,45 @@ import (
 func (in *Inbox) AcceptDelivery(ctx context.Context, d *idemhttp.Delivery) (bool, error) {
 	a, err := in.Accept(ctx, &Delivery{Source: d.Source, Key: d.Key, EventType: d.EventType,
 		Fingerprint: d.Fingerprint, Payload: d.Body, Header: d.Header, AcceptedAt: time.Now(), TTL: d.TTL, Lease: d.Lease,
-		GuardSource: d.GuardSource, GuardKey: d.GuardKey})
+		GuardSource: d.GuardSource, GuardKey: d.GuardKey, Target: d.Target, Host: d.Host, Pattern: d.Pattern})
 	return a.Duplicate, err
 }
 
 // FromHTTP runs an http.Handler as the inbox's Handler: the delivery is
-// replayed to it as the POST it arrived as (payload and kept headers), with
-// the delivery's context (its claim: idem.Client.Effect works inside). A
-// 2xx answer completes the event, storing its status; any other answer is
-// an error, retried with backoff. So the handler a synchronous idemhttp
-// middleware ran can run behind the inbox unchanged. It does not use tx:
-// the handler's writes commit on their own, as they did behind idemhttp.
+// replayed to it as the POST it arrived as: at its request target (path
+// and query) and host, with its payload and kept headers, and, when an
+// http.ServeMux pattern routed it, through that pattern, so that
+// r.PathValue and r.Pattern are what the router gave the original request
+// (other routers' route values are not kept); with the delivery's context
+// (its claim: idem.Client.Effect works inside). A 2xx answer completes the
+// event, storing its status; any other answer is an error, retried with
+// backoff. So the handler a synchronous idemhttp middleware ran can run
+// behind the inbox unchanged. It does not use tx: the handler's writes
+// commit on their own, as they did behind idemhttp.
 func FromHTTP(h http.Handler) Handler {
 	return func(ctx context.Context, _ pgx.Tx, d *Delivery) (any, error) {
+		target := d.Target
+		if target == "" {
+			target = "/"
+		}
 		req, err := http.NewRequestWithContext(ctx, http.MethodPost, "/", bytes.NewReader(d.Payload))
 		if err != nil {
 			return nil, err
+		}
+		// Parsed as the server parsed it (a path starting with "//" is a
+		// path, not a host).
+		if req.URL, err = url.ParseRequestURI(target); err != nil {
+			return nil, idem.Permanent(fmt.Errorf("inbox: the delivery's request target %q: %w", target, err))
+		}
+		req.RequestURI = target
+		if d.Host != "" {
+			req.Host = d.Host
 		}
 		for k, v := range d.Header {
 			req.Header[k] = v
 		}
 		rec := &response{header: http.Header{}}
-		h.ServeHTTP(rec, req)
+		route(h, d.Pattern).ServeHTTP(rec, req)
 		status := rec.status
 		if status == 0 {
 			status = http.StatusOK
@@ -48,6 +67,25 @@ func FromHTTP(h http.Handler) Handler {
 		}
 		return map[string]int{"status": status}, nil
 	}
+}
+
+// route returns h behind an http.ServeMux with pattern, which sets the
+// request's Pattern and path values as the application's mux did, and "/"
+// for a request the pattern no longer matches (h itself when there is no
+// pattern, or one ServeMux does not take).
+func route(h http.Handler, pattern string) (r http.Handler) {
+	if pattern == "" || pattern == "/" {
+		return h
+	}
+	defer func() {
+		if recover() != nil { // ServeMux panics on a pattern it does not take
+			r = h
+		}
+	}()
+	mux := http.NewServeMux()
+	mux.Handle(pattern, h)
+	mux.Handle("/", h)
+	return mux
 }
 
 // response records a handler's status and the start of its body.

@@ -99,6 +99,13 @@ type Delivery struct {
 	// accept's transaction with Key as fingerprint: a copy of the signed
 	// body under another delivery id is a duplicate (idemhttp.GuardKey).
 	GuardSource, GuardKey string
+	// Target is the request target the delivery arrived at (path and
+	// query, idemhttp.RequestTarget), Host its host, Pattern the
+	// http.ServeMux pattern that routed it: stored with its job, so that
+	// FromHTTP replays the request at the same URL, with the route values
+	// (r.PathValue) the router gave it. idemhttp sets them; "" replays at
+	// "/" with no route.
+	Target, Host, Pattern string
 }
 
 // Config configures an Inbox. Pool is required; every other field's zero

@@ -38,7 +38,7 @@ func TestMain(m *testing.M) {
 
 // setup returns a pool on a fresh database with idem's and River's
 // migrations, and a table the handlers write to.
-func setup(t *testing.T) (string, *pgxpool.Pool) {
+func setup(t testing.TB) (string, *pgxpool.Pool) {
 	t.Helper()
 	ctx := context.Background()
 	url := testdb.New(t)
@@ -59,7 +59,7 @@ func record(ctx context.Context, tx pgx.Tx, d *inbox.Delivery) error {
 }
 
 // start runs a worker client until the test ends.
-func start(t *testing.T, in *inbox.Inbox, workers int, base *river.Config) *river.Client[pgx.Tx] {
+func start(t testing.TB, in *inbox.Inbox, workers int, base *river.Config) *river.Client[pgx.Tx] {
 	t.Helper()
 	rc, err := in.NewWorkerClient(workers, base)
 	if err != nil {

@@ -39,6 +39,10 @@ type Job struct {
 	// process runs it (idemctl, the dashboard), enqueues the new job with
 	// it. 0 in jobs of earlier versions: their River job's max attempts.
 	MaxAttempts int `json:"max_attempts,omitempty"`
+	// The request the delivery arrived as (Delivery.Target, Host, Pattern).
+	Target  string `json:"target,omitempty"`
+	Host    string `json:"host,omitempty"`
+	Pattern string `json:"pattern,omitempty"`
 }
 
 // Kind implements river.JobArgs.
@@ -141,6 +145,10 @@ func (w *worker) Work(ctx context.Context, job *river.Job[Job]) error {
 	// through River's backoff.
 	permanent := idem.IsPermanent(herr)
 	dead := permanent || job.Attempt >= job.MaxAttempts
+	// The error as the key, the dead letter and River's attempt record
+	// store it (an error page cut mid-character, a NUL: PostgreSQL's text
+	// and jsonb refuse them, and the failure would go unrecorded).
+	herr = storableError{herr}
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), recordTimeout)
 	defer cancel()
 	out, err := pgxdb.New(in.cfg.Pool).QueueFail(rctx, pgxdb.QueueFailParams{Source: a.Source, Key: a.Key,
@@ -183,15 +191,22 @@ func (w *worker) run(ctx context.Context, job *river.Job[Job], cl *idem.Claim) e
 		_ = tx.Rollback(rctx)
 	}()
 	d := &Delivery{Source: a.Source, Key: a.Key, EventType: a.EventType, Payload: a.Payload, Header: a.Header,
-		AcceptedAt: a.AcceptedAt, Attempt: job.Attempt}
+		AcceptedAt: a.AcceptedAt, Attempt: job.Attempt, Target: a.Target, Host: a.Host, Pattern: a.Pattern}
 	result, err := call(ctx, h, tx, d)
 	if err != nil {
 		return err
 	}
 	p := pgxdb.QueueCompleteParams{Source: a.Source, Key: a.Key, JobToken: a.Token, Token: cl.Token}
 	if result != nil {
-		if raw, err := json.Marshal(result); err != nil {
-			reason := "the handler's result is not JSON: " + err.Error()
+		// What the server would refuse is known before the statement (the
+		// core's one check), so that the refusal cannot roll back the
+		// handler's transaction: the key completes without the result.
+		raw, err := json.Marshal(result)
+		if err == nil {
+			err = idem.CheckResult(raw)
+		}
+		if err != nil {
+			reason := idem.StorableText("the handler's result cannot be stored: " + err.Error())
 			p.Reason = &reason
 		} else {
 			s := string(raw)
@@ -222,6 +237,13 @@ func (w *worker) run(ctx context.Context, job *river.Job[Job], cl *idem.Claim) e
 	}
 	return tx.Commit(ctx)
 }
+
+// storableError is a handler's error whose text is made storable
+// (idem.StorableText); it unwraps to the error.
+type storableError struct{ err error }
+
+func (e storableError) Error() string { return idem.StorableText(e.err.Error()) }
+func (e storableError) Unwrap() error { return e.err }
 
 // call runs the handler, turning a panic into an error.
 func call(ctx context.Context, h Handler, tx pgx.Tx, d *Delivery) (v any, err error) {

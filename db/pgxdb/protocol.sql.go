@@ -270,6 +270,22 @@ func (q *Queries) Fail(ctx context.Context, arg FailParams) (string, error) {
 	return outcome, err
 }
 
+const missingFunctions = `-- name: MissingFunctions :one
+SELECT coalesce(string_agg(f.sig, '; '), '')::text AS missing
+  FROM unnest(string_to_array($1::text, ';')) AS f(sig)
+ WHERE to_regprocedure(f.sig) IS NULL
+`
+
+// Which of the functions listed (regprocedure signatures, separated by ';')
+// do not exist; empty when the schema has every function the client calls.
+// Asked of the catalog, which every role may read, before the first claim.
+func (q *Queries) MissingFunctions(ctx context.Context, functions string) (string, error) {
+	row := q.db.QueryRow(ctx, missingFunctions, functions)
+	var missing string
+	err := row.Scan(&missing)
+	return missing, err
+}
+
 const peek = `-- name: Peek :one
 SELECT coalesce(p.status, '')::text               AS status,
        coalesce(p.lease_remaining_ms, 0)::bigint AS lease_remaining_ms

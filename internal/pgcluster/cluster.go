@@ -245,6 +245,40 @@ func (c *Cluster) RestartImmediate(ctx context.Context) error {
 	return c.startServer(ctx)
 }
 
+// Standby starts a hot standby of c: a base backup of c (pg_basebackup
+// -R, streaming replication over c's socket) in a directory of its own,
+// started read-only on a port of its own. Stop it before c.
+func (c *Cluster) Standby(ctx context.Context) (*Cluster, error) {
+	s := &Cluster{BinDir: c.BinDir, cred: c.cred, durable: c.durable}
+	var err error
+	if s.Dir, err = os.MkdirTemp("", "idem-pg-standby-"); err != nil {
+		return nil, err
+	}
+	if s.cred != nil {
+		if err := os.Chown(s.Dir, int(s.cred.Uid), int(s.cred.Gid)); err != nil {
+			s.Remove()
+			return nil, err
+		}
+	}
+	if s.Port, err = freePort(); err != nil {
+		s.Remove()
+		return nil, err
+	}
+	backup := exec.CommandContext(ctx, filepath.Join(c.BinDir, "pg_basebackup"),
+		"-D", filepath.Join(s.Dir, "data"), "-h", c.Dir, "-p", strconv.Itoa(c.Port), "-U", "postgres",
+		"-R", "-X", "stream", "--no-sync", "-c", "fast")
+	backup.SysProcAttr = &syscall.SysProcAttr{Credential: c.cred}
+	if out, err := backup.CombinedOutput(); err != nil {
+		s.Remove()
+		return nil, fmt.Errorf("pg_basebackup: %v\n%s", err, out)
+	}
+	if err := s.startServer(ctx); err != nil {
+		s.Remove()
+		return nil, err
+	}
+	return s, nil
+}
+
 // Stop shuts the server down (fast shutdown) and removes its directory.
 func (c *Cluster) Stop() {
 	c.stopServer()

@@ -337,11 +337,13 @@ func TestThroughPgBouncer(t *testing.T) {
 		}
 		return true
 	})
-	pr, err := prune.Run(ctx, bp, prune.Config{BatchSize: new(1000)})
+	// Maintenance as idemctl runs it through PgBouncer (exec mode).
+	mp := testdb.Pool(t, bouncer+testdb.ExecMode, 4)
+	pr, err := prune.Run(ctx, mp, prune.Config{BatchSize: new(1000)})
 	if err != nil || pr.Deleted != 3000 {
 		t.Fatalf("prune through PgBouncer: %+v %v", pr, err)
 	}
-	rr, err := partition.Rotate(ctx, bp, partition.Config{})
+	rr, err := partition.Rotate(ctx, mp, partition.Config{})
 	if err != nil || !strings.Contains(fmt.Sprint(rr.Steps), "dropped") {
 		t.Fatalf("rotate through PgBouncer: %+v %v", rr, err)
 	}

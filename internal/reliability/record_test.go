@@ -227,8 +227,8 @@ func TestRecordingFailures(t *testing.T) {
 		if err := pool.QueryRow(ctx, `SELECT current_database()`).Scan(&db); err != nil {
 			t.Fatal(err)
 		}
-		// Without default_query_exec_mode: pgx's own default, the statement cache.
-		bouncer := strings.Replace(testdb.PgBouncer(t, db), "&default_query_exec_mode=exec", "", 1)
+		// pgx's own default, the statement cache.
+		bouncer := testdb.PgBouncer(t, db)
 		if strings.Contains(bouncer, "exec_mode") {
 			t.Fatalf("bouncer URL still sets an exec mode: %s", bouncer)
 		}

@@ -47,6 +47,7 @@ const (
 	CharacterNotInRepert  = "22021" // invalid UTF-8
 	InvalidTextRepr       = "22P02"
 	UntranslatableChar    = "22P05"
+	NumericOutOfRange     = "22003" // a JSON number beyond numeric's range
 	ProgramLimitExceeded  = "54000" // a result too large to store
 	UndefinedObject       = "42704" // no policy for the source
 	FeatureNotSupported   = "0A000" // REPEATABLE READ

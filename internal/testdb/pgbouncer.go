@@ -18,9 +18,10 @@ import (
 )
 
 // PgBouncer starts a PgBouncer in transaction pooling mode in front of the
-// test server and returns a URL for database dbname through it (with
-// default_query_exec_mode=exec: PgBouncer before 1.21 keeps no prepared
-// statements across transactions). The binary comes from the distribution
+// test server and returns a URL for database dbname through it, with each
+// driver's defaults (pgx's and its stdlib's statement cache, which PgBouncer
+// before 1.21 breaks: the library must cope; append ExecMode for idemctl
+// and maintenance, which want pgx's exec mode there). The binary comes from the distribution
 // package; when it is missing and the tests run as root with apt-get, it is
 // installed, otherwise the test fails saying how to install it.
 func PgBouncer(t testing.TB, dbname string) string {
@@ -94,7 +95,7 @@ pidfile = %s
 		_ = cmd.Process.Signal(syscall.SIGTERM)
 		_ = cmd.Wait()
 	})
-	url := fmt.Sprintf("postgres://%s@127.0.0.1:%d/%s?sslmode=disable&default_query_exec_mode=exec", cfg.User, listen, dbname)
+	url := fmt.Sprintf("postgres://%s@127.0.0.1:%d/%s?sslmode=disable", cfg.User, listen, dbname)
 	deadline := time.Now().Add(15 * time.Second)
 	for {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
@@ -111,6 +112,11 @@ pidfile = %s
 		time.Sleep(50 * time.Millisecond)
 	}
 }
+
+// ExecMode is the URL parameter that makes pgx use its exec mode (no named
+// prepared statements), which idemctl and the maintenance packages need
+// behind PgBouncer before 1.21 (docs/idemctl.md).
+const ExecMode = "&default_query_exec_mode=exec"
 
 func pgbouncerBinary() (string, error) {
 	for _, p := range []string{"pgbouncer", "/usr/sbin/pgbouncer", "/usr/bin/pgbouncer"} {

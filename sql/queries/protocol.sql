@@ -88,3 +88,11 @@ SELECT (to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL
 -- where CitusInstalled is true (the application's and maintainer's roles
 -- may since migration 12).
 SELECT idem.distributed()::boolean AS distributed;
+
+-- name: MissingFunctions :one
+-- Which of the functions listed (regprocedure signatures, separated by ';')
+-- do not exist; empty when the schema has every function the client calls.
+-- Asked of the catalog, which every role may read, before the first claim.
+SELECT coalesce(string_agg(f.sig, '; '), '')::text AS missing
+  FROM unnest(string_to_array(sqlc.arg(functions)::text, ';')) AS f(sig)
+ WHERE to_regprocedure(f.sig) IS NULL;

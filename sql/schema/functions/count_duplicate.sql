@@ -8,6 +8,11 @@ CREATE OR REPLACE FUNCTION idem.count_duplicate(p_source text, p_key text, p_mon
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
 BEGIN
+    -- A read-only transaction (a hot standby) answers the duplicate
+    -- without counting it.
+    IF pg_catalog.current_setting('transaction_read_only') = 'on' THEN
+        RETURN;
+    END IF;
     -- (version 15) A waiting duplicate's claim after its wait (WithWait)
     -- runs in a transaction marked idem.uncounted: its first claim, which
     -- found the key in progress, counted it already.

@@ -206,7 +206,7 @@ func TestPruneTwoInstances(t *testing.T) {
 		if err := pool.QueryRow(context.Background(), `SELECT current_database()`).Scan(&db); err != nil {
 			t.Fatal(err)
 		}
-		bouncer := testdb.PgBouncer(t, db)
+		bouncer := testdb.PgBouncer(t, db) + testdb.ExecMode
 		requireOneDeletedOneSkipped(t, startTogether(t, bouncer), 12000)
 		sameCounts(t, keysLeft(t, pool), want)
 		// And the skip is quick and clean through PgBouncer too: a second

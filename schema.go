@@ -1,0 +1,66 @@
+package idem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync/atomic"
+)
+
+// requiredFunctions are the SQL functions the client calls, as regprocedure
+// signatures. Before its first claim a client checks that the schema has
+// every one (a code deployed before `idemctl migrate up`, or a schema
+// migrated down under it), and refuses to claim with ErrNotMigrated
+// otherwise: the work must not run when its outcome cannot be recorded. A
+// migration that adds a function the client calls adds it here.
+var requiredFunctions = strings.Join([]string{
+	"idem.claim(text,text,text,interval,interval,text,interval)",
+	"idem.complete(text,text,bigint,jsonb)",
+	"idem.complete_stored(text,text,bigint,jsonb)",
+	"idem.complete_unstored(text,text,bigint,text)",
+	"idem.fail(text,text,bigint,text,boolean)",
+	"idem.extend(text,text,bigint,interval)",
+	"idem.peek(text,text)",
+	"idem.wait_begin(text,text,interval)",
+	"idem.wait_end(bigint)",
+}, ";")
+
+// schemaState remembers that the schema had every required function; it is
+// shared by a client and those WithTx derives, and forgotten when a call
+// finds a function missing, so the next claim checks again.
+type schemaState struct{ ok atomic.Bool }
+
+// ready checks, once per client until a function goes missing, that the
+// schema has every function the client calls.
+func (c *Client) ready(ctx context.Context, source, key string) error {
+	if c.schema == nil || c.schema.ok.Load() {
+		return nil
+	}
+	missing, err := c.d.missingFunctions(ctx, requiredFunctions)
+	if err != nil {
+		return convert("claim", source, key, err)
+	}
+	if missing != "" {
+		return &Error{Op: "claim", Source: source, Key: key, Kind: ErrNotMigrated,
+			Err: fmt.Errorf("schema idem lacks %s: migrate it up (idemctl migrate up) before this code claims anything", missing)}
+	}
+	c.schema.ok.Store(true)
+	return nil
+}
+
+// forgetSchema makes the next claim check the schema again after err (an
+// operation found a function missing).
+func (c *Client) forgetSchema(err error) {
+	if c.schema != nil && errors.Is(err, ErrNotMigrated) {
+		c.schema.ok.Store(false)
+	}
+}
+
+func (d pgxDriver) missingFunctions(ctx context.Context, functions string) (string, error) {
+	return d.q.MissingFunctions(ctx, functions)
+}
+
+func (d sqlDriver) missingFunctions(ctx context.Context, functions string) (string, error) {
+	return sqlRetry(d, func() (string, error) { return d.q.MissingFunctions(ctx, functions) })
+}
