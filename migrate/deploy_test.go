@@ -162,7 +162,9 @@ func TestRacingMigrateUpThroughPgBouncer(t *testing.T) {
 	if err := direct.QueryRowContext(ctx, `SELECT current_database()`).Scan(&name); err != nil {
 		t.Fatal(err)
 	}
-	bouncer := testdb.PgBouncer(t, name)
+	// database/sql over pgx's stdlib through PgBouncer 1.18 wants pgx's
+	// exec mode (docs/idemctl.md, PgBouncer); idemctl sets it itself.
+	bouncer := testdb.PgBouncer(t, name) + testdb.ExecMode
 	open := func() *sql.DB {
 		db, err := sql.Open("pgx", bouncer)
 		if err != nil {

@@ -349,14 +349,14 @@ func (q *Queries) PublicRoutines(ctx context.Context) ([]string, error) {
 
 const recordRun = `-- name: RecordRun :one
 SELECT idem.record_run($1::text, $2::timestamptz, $3::text,
-                       $4::jsonb, $5::text, $6::text)::bigint AS id
+                       $4::text::jsonb, $5::text, $6::text)::bigint AS id
 `
 
 type RecordRunParams struct {
 	Job       string
 	StartedAt pgtype.Timestamptz
 	Outcome   string
-	Figures   []byte
+	Figures   string
 	Error     *string
 	RunBy     string
 }

@@ -34,7 +34,7 @@ func Record(ctx context.Context, q *pgxdb.Queries, log *slog.Logger, r Run) {
 	if err != nil || r.Figures == nil {
 		figures = []byte("{}")
 	}
-	p := pgxdb.RecordRunParams{Job: r.Job, StartedAt: pgtype.Timestamptz{Time: r.Started, Valid: true}, Outcome: r.Outcome, Figures: figures, RunBy: r.Holder}
+	p := pgxdb.RecordRunParams{Job: r.Job, StartedAt: pgtype.Timestamptz{Time: r.Started, Valid: true}, Outcome: r.Outcome, Figures: string(figures), RunBy: r.Holder}
 	if r.Err != nil {
 		p.Error = new(r.Err.Error())
 	}

@@ -118,7 +118,7 @@ SELECT idem.snapshot_stats()::integer AS sources;
 -- name: RecordRun :one
 -- Records a maintenance run in idem.runs (migration 10).
 SELECT idem.record_run(sqlc.arg(job)::text, sqlc.arg(started_at)::timestamptz, sqlc.arg(outcome)::text,
-                       sqlc.arg(figures)::jsonb, sqlc.narg(error)::text, sqlc.arg(run_by)::text)::bigint AS id;
+                       sqlc.arg(figures)::text::jsonb, sqlc.narg(error)::text, sqlc.arg(run_by)::text)::bigint AS id;
 
 -- name: StuckLeases :one
 -- Keys still processing whose lease ended more than grace ago.

@@ -54,6 +54,13 @@ func (g *globals) poolConfig(env Env) (*pgxpool.Config, error) {
 	// Only application_name goes in the startup packet (PgBouncer passes it
 	// on); the timeouts are set per transaction by prune and rotation, since
 	// session settings do not survive transaction pooling.
+	// idemctl keeps no prepared statement across transactions (pgx's exec
+	// mode) unless the URL asks otherwise: it is not on a hot path, and
+	// so every command works through a transaction pooler (PgBouncer
+	// before 1.21) as it is.
+	if !strings.Contains(raw, "default_query_exec_mode") {
+		cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec
+	}
 	if _, ok := cfg.ConnConfig.RuntimeParams["application_name"]; !ok {
 		cfg.ConnConfig.RuntimeParams["application_name"] = "idemctl"
 	}
