@@ -54,12 +54,14 @@ func (g *globals) poolConfig(env Env) (*pgxpool.Config, error) {
 	// Only application_name goes in the startup packet (PgBouncer passes it
 	// on); the timeouts are set per transaction by prune and rotation, since
 	// session settings do not survive transaction pooling.
-	// idemctl keeps no prepared statement across transactions (pgx's exec
-	// mode) unless the URL asks otherwise: it is not on a hot path, and
-	// so every command works through a transaction pooler (PgBouncer
-	// before 1.21) as it is.
-	if !strings.Contains(raw, "default_query_exec_mode") {
-		cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeExec
+	// With pgx's exec or simple protocol mode (the setting docs/idemctl.md
+	// gives for PgBouncer before 1.21) results come back as text, which
+	// pgx reads in the ISO date style only: the session's DateStyle is
+	// set to ISO (PgBouncer passes DateStyle on), unless the URL sets one.
+	if m := cfg.ConnConfig.DefaultQueryExecMode; m == pgx.QueryExecModeExec || m == pgx.QueryExecModeSimpleProtocol {
+		if _, ok := cfg.ConnConfig.RuntimeParams["DateStyle"]; !ok {
+			cfg.ConnConfig.RuntimeParams["DateStyle"] = "ISO, YMD"
+		}
 	}
 	if _, ok := cfg.ConnConfig.RuntimeParams["application_name"]; !ok {
 		cfg.ConnConfig.RuntimeParams["application_name"] = "idemctl"

@@ -32,7 +32,7 @@ func TestMigrateUpRacingThroughPgBouncer(t *testing.T) {
 	if err := direct.QueryRow(ctx, `SELECT current_database()`).Scan(&name); err != nil {
 		t.Fatal(err)
 	}
-	bouncer := testdb.PgBouncer(t, name)
+	bouncer := testdb.PgBouncer(t, name) + testdb.ExecMode // as docs/idemctl.md says for PgBouncer before 1.21
 	bin := binary(t)
 	type run struct {
 		out  string
