@@ -167,12 +167,7 @@ func runOnce(t *testing.T, url string) {
 	}()
 	deadline := time.Now().Add(30 * time.Second)
 	for {
-		var m string
-		if resp, err := http.Get("http://" + addr + "/metrics"); err == nil {
-			b, _ := io.ReadAll(resp.Body)
-			resp.Body.Close()
-			m = string(b)
-		}
+		m := scrape(addr)
 		if strings.Contains(m, `idem_job_runs_total{job="prune",result="ok"}`) &&
 			strings.Contains(m, `idem_job_runs_total{job="rotate",result="ok"}`) &&
 			strings.Contains(m, `idem_job_runs_total{job="snapshot",result="ok"}`) {
@@ -213,4 +208,16 @@ func withExecMode(dsn string) string {
 		return dsn + "?default_query_exec_mode=exec"
 	}
 	return dsn + " default_query_exec_mode=exec"
+}
+
+// scrape returns /metrics of the daemon at addr, "" while it is not
+// listening yet.
+func scrape(addr string) string {
+	resp, err := http.Get("http://" + addr + "/metrics")
+	if err != nil {
+		return ""
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return string(b)
 }

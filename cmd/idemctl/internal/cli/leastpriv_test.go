@@ -4,8 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
-	"net/http"
 	"strings"
 	"testing"
 	"time"
@@ -131,12 +129,7 @@ func TestRunAlertsWhenPruneNeverEnds(t *testing.T) {
 	}()
 	deadline := time.Now().Add(20 * time.Second)
 	for {
-		var m string
-		if resp, err := http.Get("http://" + addr + "/metrics"); err == nil {
-			b, _ := io.ReadAll(resp.Body)
-			resp.Body.Close()
-			m = string(b)
-		}
+		m := scrape(addr)
 		if strings.Contains(m, `idem_job_last_success_timestamp_seconds{job="prune"}`) &&
 			strings.Contains(m, `idem_job_last_success_timestamp_seconds{job="rotate"}`) {
 			var ts float64
