@@ -27,14 +27,14 @@ type UnsafeSchemaError struct {
 
 func (e *UnsafeSchemaError) Error() string {
 	var what, fix []string
-	if e.Owner != e.Migrator && e.Installed {
-		// idem's routines run as the role that made them: moving the schema
-		// to another owner would take their rights away.
+	// idem's routines run as the role that made them: once installed, the
+	// schema must not move to another owner (that would take their rights
+	// away); the migrator must be that role.
+	installedByOther := e.Owner != e.Migrator && e.Installed
+	switch {
+	case installedByOther:
 		what = append(what, fmt.Sprintf("idem is installed by %s, not by %s who migrates", e.Owner, e.Migrator))
-		if len(e.Writers) == 0 {
-			return fmt.Sprintf("%v: %s. Migrate as %s: connect as that role, or (as a member of it) SET ROLE %s first", ErrUnsafeSchema, what[0], e.Owner, e.Owner)
-		}
-	} else if e.Owner != e.Migrator {
+	case e.Owner != e.Migrator:
 		what = append(what, fmt.Sprintf("it is owned by %s, not by %s who migrates", e.Owner, e.Migrator))
 		fix = append(fix, fmt.Sprintf("ALTER SCHEMA idem OWNER TO %s;", e.Migrator))
 	}
@@ -44,8 +44,14 @@ func (e *UnsafeSchemaError) Error() string {
 			fix = append(fix, fmt.Sprintf("REVOKE CREATE ON SCHEMA idem FROM %s;", w))
 		}
 	}
-	return fmt.Sprintf("%v: %s. Run, as its owner or a superuser: %s (then inspect what is in schema idem), and migrate again",
-		ErrUnsafeSchema, strings.Join(what, "; "), strings.Join(fix, " "))
+	msg := fmt.Sprintf("%v: %s.", ErrUnsafeSchema, strings.Join(what, "; "))
+	if len(fix) > 0 {
+		msg += fmt.Sprintf(" Run, as its owner or a superuser: %s (then inspect what is in schema idem)", strings.Join(fix, " "))
+	}
+	if installedByOther {
+		return msg + fmt.Sprintf(" Migrate as %s: connect as that role, or (as a member of it) SET ROLE %s first", e.Owner, e.Owner)
+	}
+	return msg + ", and migrate again"
 }
 
 func (e *UnsafeSchemaError) Is(target error) bool { return target == ErrUnsafeSchema }

@@ -52,17 +52,7 @@ func hostileDatabase(t *testing.T) (adminURL, maintURL, app string, admin *pgxpo
 	ctx := context.Background()
 	url := testdb.New(t)
 	admin = testdb.Pool(t, url, 4)
-	suffix := fmt.Sprint(time.Now().UnixNano() % 1e9)
-	app, maint := "hostile_app_"+suffix, "hostile_maint_"+suffix
-	for _, role := range []string{app, maint} {
-		if _, err := admin.Exec(ctx, "CREATE ROLE "+pgx.Identifier{role}.Sanitize()+" LOGIN"); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() {
-			_, _ = admin.Exec(context.Background(), "DROP OWNED BY "+pgx.Identifier{role}.Sanitize())
-			_, _ = admin.Exec(context.Background(), "DROP ROLE "+pgx.Identifier{role}.Sanitize())
-		})
-	}
+	app, maint := loginRole(t, admin, "hostile_app"), loginRole(t, admin, "hostile_maint")
 	if r := idemctl(t, ctx, nil, "grant", "--database-url", url, "--app", app, "--maintainer", maint); r.code != 0 {
 		t.Fatalf("grant: %+v", r)
 	}

@@ -29,17 +29,7 @@ import (
 func TestOwnerCommandsUnderLookalikes(t *testing.T) {
 	ctx := context.Background()
 	url, maintURL, app, admin := hostileDatabase(t)
-	suffix := fmt.Sprint(time.Now().UnixNano() % 1e9)
-	app2, maint2 := "hostile_app2_"+suffix, "hostile_maint2_"+suffix
-	for _, role := range []string{app2, maint2} {
-		if _, err := admin.Exec(ctx, "CREATE ROLE "+pgx.Identifier{role}.Sanitize()+" LOGIN"); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() {
-			_, _ = admin.Exec(context.Background(), "DROP OWNED BY "+pgx.Identifier{role}.Sanitize())
-			_, _ = admin.Exec(context.Background(), "DROP ROLE "+pgx.Identifier{role}.Sanitize())
-		})
-	}
+	app2, maint2 := loginRole(t, admin, "hostile_app2"), loginRole(t, admin, "hostile_maint2")
 	plant := testdb.PlantLookalikes(t, url, app, queryFunctions(t)...)
 	seedRows(t, admin, "rel-", monthStart(time.Now(), 0), 1, false, false)
 	for _, args := range [][]string{
