@@ -22,11 +22,12 @@ func TestConfigValidate(t *testing.T) {
 	pool, _ := setup(t)
 	ctx := context.Background()
 	for name, cfg := range map[string]idem.Config{
-		"heartbeat fraction 1":      {HeartbeatFraction: 1},
-		"heartbeat fraction NaN":    {HeartbeatFraction: math.NaN()},
-		"negative record timeout":   {RecordTimeout: -time.Second},
-		"lock wait over an hour":    {LockWait: 2 * time.Hour},
-		"not a pgx query exec mode": {QueryExecMode: pgx.QueryExecMode(99)},
+		"heartbeat fraction 1":             {HeartbeatFraction: 1},
+		"heartbeat fraction NaN":           {HeartbeatFraction: math.NaN()},
+		"negative record timeout":          {RecordTimeout: -time.Second},
+		"lock wait over an hour":           {LockWait: 2 * time.Hour},
+		"effect acquire wait over an hour": {EffectAcquireWait: 2 * time.Hour},
+		"not a pgx query exec mode":        {QueryExecMode: pgx.QueryExecMode(99)},
 	} {
 		t.Run(name, func(t *testing.T) {
 			if err := cfg.Validate(); !errors.Is(err, idem.ErrInvalidConfig) {

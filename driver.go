@@ -43,6 +43,7 @@ type claimArgs struct {
 	ttl, lease                          time.Duration
 	lockWait                            *time.Duration // nil: the database's default
 	wait                                time.Duration  // WithWait: 0, no waiting
+	acquireWait                         time.Duration  // an effect's claim: bound on the pool's wait (boundAcquire)
 }
 
 // driver is the thin seam between the public API and the two generated
@@ -247,6 +248,13 @@ func tsOf(t pgtype.Timestamptz) time.Time {
 }
 
 func (d pgxDriver) claim(ctx context.Context, a claimArgs) (*Claim, error) {
+	if conn, ok, err := pgxBounded(ctx, d.db); ok {
+		if err != nil {
+			return nil, err
+		}
+		defer conn.Release()
+		d = newPgxDriver(conn, d.mode)
+	}
 	row, err := d.q.Claim(ctx, pgxdb.ClaimParams{
 		Source: a.source, Key: a.key,
 		Fingerprint: strPtr(a.fingerprint), EventType: strPtr(a.eventType),
@@ -440,6 +448,13 @@ func nullInt(p *int64) sql.NullInt64 {
 }
 
 func (d sqlDriver) claim(ctx context.Context, a claimArgs) (*Claim, error) {
+	if conn, ok, err := sqlBounded(ctx, d.db); ok {
+		if err != nil {
+			return nil, err
+		}
+		defer conn.Close()
+		d = newSQLDriver(conn, d.mode)
+	}
 	row, err := sqlRetry(d, func() (sqldb.ClaimRow, error) {
 		return d.q.Claim(ctx, sqldb.ClaimParams{
 			Source: a.source, Key: a.key,

@@ -192,7 +192,7 @@ func (c *Client) Effect(ctx context.Context, name string, fn func(ctx context.Co
 	for _, o := range opts {
 		o(&a)
 	}
-	var copts []ClaimOption
+	copts := []ClaimOption{func(a *claimArgs) { a.acquireWait = c.cfg.EffectAcquireWait }}
 	var ttl time.Duration
 	if t := ev.ExpiresAt.Sub(ev.FirstSeen); !ev.FirstSeen.IsZero() && t > 0 {
 		// The effect outlives its event: both retentions are counted by

@@ -3,8 +3,11 @@ package idem_test
 import (
 	"context"
 	"crypto/sha256"
+	"database/sql"
 	"encoding/hex"
 	"errors"
+	"fmt"
+	"math/rand/v2"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -371,5 +374,114 @@ func TestEffectKeysCannotCollide(t *testing.T) {
 	_, b, _ := idem.EffectKey("stripe", lookalike, "charge")
 	if a == b {
 		t.Fatalf("two events share the effect key %q", a)
+	}
+}
+
+// TestEffectPoolExhausted: events whose work runs in the caller's
+// transaction hold every connection of the pool, and each calls Effect,
+// which needs one more. Unbounded, none would ever get one (until their
+// contexts end); the effect's claim waits Config.EffectAcquireWait, fails
+// with ErrNoConnection naming the pool's size, the transactions end, and
+// the redeliveries complete every event with its effect run once.
+func TestEffectPoolExhausted(t *testing.T) {
+	t.Parallel()
+	const events = 4
+	cfg := &idem.Config{EffectAcquireWait: 200 * time.Millisecond}
+	url := testdb.New(t)
+	drivers := map[string]func(t *testing.T) (*idem.Client, func(ctx context.Context, key string, work func(context.Context) (any, error)) error){
+		"pgx": func(t *testing.T) (*idem.Client, func(context.Context, string, func(context.Context) (any, error)) error) {
+			pool := testdb.Pool(t, url, events)
+			c := testdb.Client(t, pool, cfg)
+			return c, func(ctx context.Context, key string, work func(context.Context) (any, error)) error {
+				return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+					_, err := c.WithTx(tx).Do(ctx, "stripe", key, work)
+					return err
+				})
+			}
+		},
+		"database/sql": func(t *testing.T) (*idem.Client, func(context.Context, string, func(context.Context) (any, error)) error) {
+			db, err := sql.Open("pgx", url)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { db.Close() })
+			db.SetMaxOpenConns(events)
+			c := testdb.SQLClient(t, db, cfg)
+			return c, func(ctx context.Context, key string, work func(context.Context) (any, error)) error {
+				tx, err := db.BeginTx(ctx, nil)
+				if err != nil {
+					return err
+				}
+				defer tx.Rollback()
+				if _, err := c.WithSQLTx(tx).Do(ctx, "stripe", key, work); err != nil {
+					return err
+				}
+				return tx.Commit()
+			}
+		},
+	}
+	for name, open := range drivers {
+		t.Run(name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			c, deliver := open(t)
+			var sent counter
+			var exhausted atomic.Int32
+			// The first delivery of every event holds its transaction's
+			// connection until all of them do: then every Effect finds
+			// the pool empty.
+			var inTx sync.WaitGroup
+			inTx.Add(events)
+			var wg sync.WaitGroup
+			for i := range events {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					key := fmt.Sprintf("evt_pool_%s_%d", strings.ReplaceAll(name, "/", "_"), i)
+					first := true
+					for attempt := 1; ; attempt++ {
+						err := deliver(ctx, key, func(ctx context.Context) (any, error) {
+							if first {
+								first = false
+								inTx.Done()
+								inTx.Wait()
+							}
+							_, err := c.Effect(ctx, "send_receipt", func(context.Context) (any, error) {
+								sent.inc(key)
+								return nil, nil
+							})
+							return nil, err
+						})
+						if err == nil {
+							return
+						}
+						if errors.Is(err, idem.ErrNoConnection) {
+							exhausted.Add(1)
+							if !strings.Contains(err.Error(), fmt.Sprintf("a pool of %d", events)) || !strings.Contains(err.Error(), "EffectAcquireWait") {
+								t.Errorf("%s: the error does not say how to size the pool: %v", key, err)
+							}
+						} else if !errors.Is(err, idem.ErrInProgress) {
+							t.Errorf("%s attempt %d: %v", key, attempt, err)
+							return
+						}
+						if ctx.Err() != nil {
+							t.Errorf("%s: not done before the test's deadline (deadlocked?): %v", key, err)
+							return
+						}
+						time.Sleep(time.Duration(rand.IntN(50)) * time.Millisecond)
+					}
+				}()
+			}
+			wg.Wait()
+			if exhausted.Load() < events {
+				t.Errorf("%d deliveries failed with ErrNoConnection, want at least %d (every first one)", exhausted.Load(), events)
+			}
+			for i := range events {
+				key := fmt.Sprintf("evt_pool_%s_%d", strings.ReplaceAll(name, "/", "_"), i)
+				if n := sent.get(key); n != 1 {
+					t.Errorf("%s: effect ran %d times, want 1", key, n)
+				}
+			}
+		})
 	}
 }

@@ -133,6 +133,16 @@ type Config struct {
 	// Completed, one more query checks that the caller's transaction has
 	// written nothing and reads at READ COMMITTED). Default: none.
 	Cache *CacheConfig
+	// EffectAcquireWait bounds how long an effect's claim waits for a free
+	// connection of the pool. An event whose work runs in the caller's
+	// transaction holds a connection while each of its effects needs
+	// another of the same pool, so with as many such events in flight as
+	// the pool has connections none would ever get one; past this wait
+	// the effect fails with ErrNoConnection (a *NoConnectionError naming
+	// the pool's size) and its event's work with it, which frees the
+	// transaction's connection. Default (0): 5 seconds; negative: no bound
+	// (the pool's own wait, until ctx ends).
+	EffectAcquireWait time.Duration
 }
 
 // Defaults of Config.
@@ -155,6 +165,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("%w: HeartbeatFraction %v must be below 1 (0 for the default 1/3, negative for no heartbeat)", ErrInvalidConfig, c.HeartbeatFraction)
 	case c.RecordTimeout < 0:
 		return fmt.Errorf("%w: RecordTimeout %v must not be negative (0 for the default %v)", ErrInvalidConfig, c.RecordTimeout, DefaultRecordTimeout)
+	case c.EffectAcquireWait > time.Hour:
+		return fmt.Errorf("%w: EffectAcquireWait %v is over 1 hour (0 for the default %v, negative for no bound)", ErrInvalidConfig, c.EffectAcquireWait, DefaultEffectAcquireWait)
 	case c.LockWait > time.Hour:
 		return fmt.Errorf("%w: LockWait %v is over 1 hour", ErrInvalidConfig, c.LockWait)
 	case c.QueryExecMode < 0 || c.QueryExecMode > pgx.QueryExecModeSimpleProtocol:
@@ -267,6 +279,9 @@ func defaults(cfg *Config) (Config, error) {
 	if c.RecordTimeout == 0 {
 		c.RecordTimeout = DefaultRecordTimeout
 	}
+	if c.EffectAcquireWait == 0 {
+		c.EffectAcquireWait = DefaultEffectAcquireWait
+	}
 	return c, nil
 }
 
@@ -368,7 +383,7 @@ func (c *Client) claim(ctx context.Context, source, key string, opts []ClaimOpti
 		}
 		gen = c.cache.generation()
 	}
-	cl, err := c.d.claim(ctx, a)
+	cl, err := c.d.claim(boundAcquire(ctx, a.acquireWait), a)
 	if err != nil {
 		err = convert("claim", source, key, err)
 		c.forgetSchema(err)
