@@ -65,7 +65,8 @@ func (in *Inbox) CountDeadLetters(ctx context.Context, f Filter) (int64, error) 
 // DeadLetter is an event whose job gave up on it: past its last attempt,
 // at once for an error marked idem.Permanent, or because its key or its
 // job was gone. idem keeps it (idem.holds) until it is replayed or the
-// sender delivers it again; its payload is in its River job.
+// sender delivers it again; its payload is in its River job and, since
+// migration 17, kept on its hold too.
 type DeadLetter struct {
 	JobID     int64  `json:"job_id"`
 	Source    string `json:"source"`
@@ -78,7 +79,10 @@ type DeadLetter struct {
 	AcceptedAt time.Time `json:"accepted_at"`
 	FailedAt   time.Time `json:"failed_at"`
 	// State is the River job's (discarded, cancelled, ...), "" when the
-	// job is gone: then the payload is gone too (PayloadLost) and only the
+	// job is gone (River deletes discarded and cancelled jobs past its
+	// retention): then replay uses the payload kept on the hold, and
+	// where none was kept (dead-lettered before migration 17, or because
+	// its job was gone) the payload is lost (PayloadLost) and only the
 	// sender can deliver the event again.
 	State       rivertype.JobState `json:"state"`
 	PayloadLost bool               `json:"payload_lost"`
@@ -177,15 +181,19 @@ func (in *Inbox) DeadLetters(ctx context.Context, f Filter) ([]DeadLetter, error
 				d.AcceptedAt = j.acceptedAt
 			}
 		} else if h.JobID != 0 {
-			// The job is gone: its payload is lost, unless a replay (or a
-			// redelivery) took the event over meanwhile and removed the
-			// dead job, when it is no longer a dead letter.
+			// The job is gone (River deleted it past its retention): the
+			// payload is the one kept on the hold, if any. Unless a
+			// replay (or a redelivery) took the event over meanwhile and
+			// removed the dead job, when it is no longer a dead letter.
 			still, err := in.stillDead(ctx, h.Source, h.Key, h.JobID, h.Token)
 			if err != nil {
 				return nil, err
 			}
 			if !still {
 				continue
+			}
+			if err := in.keptShown(ctx, &d); err != nil {
+				return nil, err
 			}
 		}
 		out = append(out, d)
@@ -238,17 +246,28 @@ func (in *Inbox) Replay(ctx context.Context, f Filter) ([]ReplayResult, error) {
 				j.MaxAttempts = row.MaxAttempts
 			}
 		case errorsIsNotFound(err):
-			// Gone since it was listed: replayed meanwhile, or lost.
-			still, err := in.stillDead(ctx, d.Source, d.Key, d.JobID, d.token)
+			// Gone: the payload kept on the hold, if it is still this
+			// job's dead letter; else replayed meanwhile.
+			kj, kept, err := in.keptPayload(ctx, d.Source, d.Key, d.token)
 			if err != nil {
 				return out, err
 			}
-			r.Outcome = "in progress"
-			if still {
-				r.Outcome, r.Error = "payload lost", "the job and its payload are gone; have the sender deliver the event again"
+			if !kept {
+				still, err := in.stillDead(ctx, d.Source, d.Key, d.JobID, d.token)
+				if err != nil {
+					return out, err
+				}
+				r.Outcome = "in progress"
+				if still {
+					r.Outcome, r.Error = "payload lost", "the job and its payload are gone; have the sender deliver the event again"
+				}
+				out = append(out, r)
+				continue
 			}
-			out = append(out, r)
-			continue
+			j = kj
+			if j.MaxAttempts < 1 {
+				j.MaxAttempts = in.maxAttempts(d.Source)
+			}
 		default:
 			return out, fmt.Errorf("inbox: job %d: %w", d.JobID, err)
 		}

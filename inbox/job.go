@@ -163,6 +163,7 @@ func (w *worker) Work(ctx context.Context, job *river.Job[Job]) error {
 		}
 	case out == "dead":
 		log.LogAttrs(ctx, slog.LevelWarn, "inbox: dead-lettered", slog.Any("error", herr))
+		in.keepPayload(rctx, log, a, job.EncodedArgs)
 	case out != "failed":
 		log.LogAttrs(ctx, slog.LevelWarn, "inbox: another attempt of this job took the key", slog.String("outcome", out))
 		return nil

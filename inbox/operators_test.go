@@ -202,3 +202,68 @@ func TestReplayRacesAnotherReplay(t *testing.T) {
 		}
 	}
 }
+
+// TestDeadLetterPayloadOutlivesItsJob: an application's own River client
+// keeps River's default retention of discarded and cancelled jobs (7
+// days) and deletes a dead letter's job with its payload. The payload
+// kept on the hold (migration 17) survives it: the dead letter is listed
+// with its event type, not as "payload lost", and replay runs the
+// handler with the original payload, target and attempts.
+func TestDeadLetterPayloadOutlivesItsJob(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, pool := setup(t)
+	const n = 3
+	payload := []byte(`{"customer":"cus_kept","note":"é\u2028"}`)
+	deadLetters(t, pool, "kept", n, payload)
+	// What River's job cleaner does past DiscardedJobRetentionPeriod /
+	// CancelledJobRetentionPeriod: delete the finalized jobs.
+	if _, err := pool.Exec(ctx, `DELETE FROM river_job WHERE state IN ('discarded', 'cancelled')`); err != nil {
+		t.Fatal(err)
+	}
+	var got sync.Map
+	app, err := inbox.New(inbox.Config{Pool: pool, RetryPolicy: fast{},
+		Handler: func(ctx context.Context, tx pgx.Tx, d *inbox.Delivery) (any, error) {
+			if _, dup := got.LoadOrStore(d.Key, string(d.Payload)); dup {
+				t.Errorf("%s handled twice", d.Key)
+			}
+			return nil, record(ctx, tx, d)
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead, err := app.DeadLetters(ctx, inbox.Filter{Source: "kept"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(dead) != n {
+		t.Fatalf("%d dead letters, want %d", len(dead), n)
+	}
+	for _, d := range dead {
+		if d.PayloadLost || d.State != "" || d.EventType != "charge" || d.AcceptedAt.IsZero() {
+			t.Errorf("%s: listed %+v, want its job gone, its payload kept, its event type and acceptance time", d.Key, d)
+		}
+	}
+	rs, err := app.Replay(ctx, inbox.Filter{Source: "kept"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range rs {
+		if r.Outcome != "replayed" {
+			t.Errorf("%s: %s %s, want replayed", r.Key, r.Outcome, r.Error)
+		}
+	}
+	start(t, app, 2, nil)
+	waitFor(t, "the replayed events", func() bool {
+		return count(t, pool, `SELECT count(*) FROM processed WHERE source = 'kept'`) == n
+	})
+	got.Range(func(k, v any) bool {
+		if v.(string) != string(payload) {
+			t.Errorf("%s: handler got payload %q, want %q", k, v, payload)
+		}
+		return true
+	})
+	if m := count(t, pool, `SELECT count(*) FROM idem.holds WHERE source = 'kept'`); m != 0 {
+		t.Errorf("%d holds left after the replays completed, want 0 (the kept payloads go with them)", m)
+	}
+}

@@ -60,7 +60,7 @@ func TestUpgradeTo16(t *testing.T) {
 		t.Fatalf("version 15, read-only: %v, want 25006", err)
 	}
 
-	if _, err := p.Up(ctx); err != nil {
+	if _, err := p.UpTo(ctx, 16); err != nil {
 		t.Fatal(err)
 	}
 	seededAnswered(t, db, "after the upgrade to 16")
@@ -82,7 +82,7 @@ func TestUpgradeTo16(t *testing.T) {
 		t.Fatalf("down to 15, read-only: %v, want 25006", err)
 	}
 	seededAnswered(t, db, "down to 15")
-	if _, err := p.Up(ctx); err != nil {
+	if _, err := p.UpTo(ctx, 16); err != nil {
 		t.Fatal(err)
 	}
 	if err := readOnly(); err != nil {

@@ -197,6 +197,83 @@ func (q *Queries) QueueDeadCount(ctx context.Context, arg QueueDeadCountParams) 
 	return dead, err
 }
 
+const queueDeadKept = `-- name: QueueDeadKept :many
+SELECT coalesce(h.payload->>'event_type', '')::text AS event_type,
+       coalesce(h.payload->>'accepted_at', '')::text AS accepted_at
+  FROM idem.holds h
+ WHERE h.source = $1::text AND h.key = $2::text
+   AND h.token = $3::bigint AND h.state = 'dead' AND h.payload IS NOT NULL
+`
+
+type QueueDeadKeptParams struct {
+	Source   string
+	Key      string
+	JobToken int64
+}
+
+type QueueDeadKeptRow struct {
+	EventType  string
+	AcceptedAt string
+}
+
+// What a dead letter's listing shows of the payload kept on its hold,
+// without reading the payload: no row when the hold is not that job's dead
+// letter or keeps none.
+func (q *Queries) QueueDeadKept(ctx context.Context, arg QueueDeadKeptParams) ([]QueueDeadKeptRow, error) {
+	rows, err := q.db.Query(ctx, queueDeadKept, arg.Source, arg.Key, arg.JobToken)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []QueueDeadKeptRow
+	for rows.Next() {
+		var i QueueDeadKeptRow
+		if err := rows.Scan(&i.EventType, &i.AcceptedAt); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const queueDeadPayload = `-- name: QueueDeadPayload :many
+SELECT h.payload::jsonb AS payload
+  FROM idem.holds h
+ WHERE h.source = $1::text AND h.key = $2::text
+   AND h.token = $3::bigint AND h.state = 'dead'
+`
+
+type QueueDeadPayloadParams struct {
+	Source   string
+	Key      string
+	JobToken int64
+}
+
+// The payload kept on a dead letter's hold: no row when the hold is not
+// that job's dead letter, a NULL payload when none was kept.
+func (q *Queries) QueueDeadPayload(ctx context.Context, arg QueueDeadPayloadParams) ([][]byte, error) {
+	rows, err := q.db.Query(ctx, queueDeadPayload, arg.Source, arg.Key, arg.JobToken)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items [][]byte
+	for rows.Next() {
+		var payload []byte
+		if err := rows.Scan(&payload); err != nil {
+			return nil, err
+		}
+		items = append(items, payload)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const queueFail = `-- name: QueueFail :one
 SELECT idem.queue_fail($1::text, $2::text, $3::bigint,
                        $4::bigint, $5::text, $6::boolean)::text AS outcome
@@ -269,6 +346,32 @@ func (q *Queries) QueueHold(ctx context.Context, arg QueueHoldParams) (int64, er
 	var dead_job_id int64
 	err := row.Scan(&dead_job_id)
 	return dead_job_id, err
+}
+
+const queueKeepPayload = `-- name: QueueKeepPayload :one
+SELECT idem.queue_keep_payload($1::text, $2::text, $3::bigint,
+                               $4::jsonb)::boolean AS kept
+`
+
+type QueueKeepPayloadParams struct {
+	Source   string
+	Key      string
+	JobToken int64
+	Payload  []byte
+}
+
+// Keeps a dead letter's payload (its job's encoded args) on its hold
+// (migration 17): false when the hold is not that job's dead letter.
+func (q *Queries) QueueKeepPayload(ctx context.Context, arg QueueKeepPayloadParams) (bool, error) {
+	row := q.db.QueryRow(ctx, queueKeepPayload,
+		arg.Source,
+		arg.Key,
+		arg.JobToken,
+		arg.Payload,
+	)
+	var kept bool
+	err := row.Scan(&kept)
+	return kept, err
 }
 
 const queueQueued = `-- name: QueueQueued :many

@@ -49,14 +49,15 @@ type IdemDuplicateCount struct {
 }
 
 type IdemHold struct {
-	Source string
-	Key    string
-	Token  int64
-	JobID  sql.NullInt64
-	State  string
-	HeldAt sql.NullTime
-	DeadAt sql.NullTime
-	Error  sql.NullString
+	Source  string
+	Key     string
+	Token   int64
+	JobID   sql.NullInt64
+	State   string
+	HeldAt  sql.NullTime
+	DeadAt  sql.NullTime
+	Error   sql.NullString
+	Payload pqtype.NullRawMessage
 }
 
 // Per source ('*': every source), an upper bound on expires_at - first_seen of its rows; a claim uses the larger of its source's and '*'. Only ever raised; managed by idem.

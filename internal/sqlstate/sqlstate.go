@@ -61,6 +61,7 @@ const (
 	InvalidSchemaName     = "3F000"
 	UndefinedFunction     = "42883"
 	UndefinedTable        = "42P01"
+	UndefinedColumn       = "42703"
 	InvalidSQLStatement   = "26000" // prepared statement does not exist (a transaction pooler)
 	DuplicatePreparedStmt = "42P05" // prepared statement already exists (a transaction pooler)
 	InvalidPassword       = "28P01"

@@ -95,3 +95,27 @@ SELECT r.outcome::text                 AS outcome,
        coalesce(r.error, '')::text     AS error
   FROM idem.queue_replay(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.arg(job_token)::bigint,
                          sqlc.narg(ttl_ms)::bigint * interval '1 millisecond') AS r;
+
+-- name: QueueKeepPayload :one
+-- Keeps a dead letter's payload (its job's encoded args) on its hold
+-- (migration 17): false when the hold is not that job's dead letter.
+SELECT idem.queue_keep_payload(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.arg(job_token)::bigint,
+                               sqlc.arg(payload)::jsonb)::boolean AS kept;
+
+-- name: QueueDeadKept :many
+-- What a dead letter's listing shows of the payload kept on its hold,
+-- without reading the payload: no row when the hold is not that job's dead
+-- letter or keeps none.
+SELECT coalesce(h.payload->>'event_type', '')::text AS event_type,
+       coalesce(h.payload->>'accepted_at', '')::text AS accepted_at
+  FROM idem.holds h
+ WHERE h.source = sqlc.arg(source)::text AND h.key = sqlc.arg(key)::text
+   AND h.token = sqlc.arg(job_token)::bigint AND h.state = 'dead' AND h.payload IS NOT NULL;
+
+-- name: QueueDeadPayload :many
+-- The payload kept on a dead letter's hold: no row when the hold is not
+-- that job's dead letter, a NULL payload when none was kept.
+SELECT h.payload::jsonb AS payload
+  FROM idem.holds h
+ WHERE h.source = sqlc.arg(source)::text AND h.key = sqlc.arg(key)::text
+   AND h.token = sqlc.arg(job_token)::bigint AND h.state = 'dead';

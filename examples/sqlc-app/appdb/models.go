@@ -46,14 +46,15 @@ type IdemDuplicateCount struct {
 }
 
 type IdemHold struct {
-	Source string
-	Key    string
-	Token  int64
-	JobID  *int64
-	State  string
-	HeldAt pgtype.Timestamptz
-	DeadAt pgtype.Timestamptz
-	Error  *string
+	Source  string
+	Key     string
+	Token   int64
+	JobID   *int64
+	State   string
+	HeldAt  pgtype.Timestamptz
+	DeadAt  pgtype.Timestamptz
+	Error   *string
+	Payload []byte
 }
 
 // Per source ('*': every source), an upper bound on expires_at - first_seen of its rows; a claim uses the larger of its source's and '*'. Only ever raised; managed by idem.

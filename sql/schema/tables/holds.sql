@@ -9,7 +9,8 @@ CREATE TABLE idem.holds (
     state text DEFAULT 'queued'::text NOT NULL,
     held_at timestamp with time zone NOT NULL,
     dead_at timestamp with time zone,
-    error text
+    error text,
+    payload jsonb
 );
 
 ALTER TABLE ONLY idem.holds ADD CONSTRAINT holds_state_check CHECK ((state = ANY (ARRAY['queued'::text, 'dead'::text])));
