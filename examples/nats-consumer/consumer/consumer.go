@@ -166,8 +166,9 @@ func (c *Consumer) Handle(ctx context.Context, msgs []jetstream.Msg) (Stats, err
 		}
 		items = append(items, item{msg: m, t: t})
 	}
-	// One key order for every batch: two consumers claiming overlapping
-	// batches wait for each other's commit, never for each other.
+	// One key order for every batch: of two consumers claiming overlapping
+	// batches, one waits for the other's commit; neither holds a key the
+	// other waits for, which would stall both for the claim's lock wait.
 	slices.SortStableFunc(items, func(a, b item) int { return strings.Compare(a.t.ID, b.t.ID) })
 
 	out, err := c.apply(ctx, items)
