@@ -7,12 +7,12 @@
 package consumer
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
-	"slices"
 	"strings"
 	"time"
 
@@ -53,6 +53,10 @@ func Setup(ctx context.Context, pool *pgxpool.Pool) error {
 	return err
 }
 
+// ErrBatchSize: BatchSize, or the messages given to Handle, over
+// idem.MaxBatch (what one batch claim takes).
+var ErrBatchSize = errors.New("nats-consumer: batch too large")
+
 // Consumer consumes one JetStream consumer (durable, pull, explicit acks).
 type Consumer struct {
 	JS   jetstream.Consumer
@@ -60,7 +64,8 @@ type Consumer struct {
 	Idem *idem.Client
 	// Source is the idem source of the keys. Default: "nats".
 	Source string
-	// BatchSize is how many messages one fetch asks for. Default: 100.
+	// BatchSize is how many messages one fetch asks for, at most
+	// idem.MaxBatch. Default: 100.
 	BatchSize int
 	// MaxWait bounds how long one fetch waits for a full batch.
 	// Default: 1 second.
@@ -132,7 +137,11 @@ func (c *Consumer) Run(ctx context.Context) error {
 // Next fetches one batch (waiting up to MaxWait for it to fill) and
 // handles it.
 func (c *Consumer) Next(ctx context.Context) (Stats, error) {
-	batch, err := c.JS.Fetch(orDefault(c.BatchSize, 100), jetstream.FetchMaxWait(orDefault(c.MaxWait, time.Second)))
+	size := orDefault(c.BatchSize, 100)
+	if size < 0 || size > idem.MaxBatch {
+		return Stats{}, fmt.Errorf("%w: BatchSize %d, want 1 to %d", ErrBatchSize, size, idem.MaxBatch)
+	}
+	batch, err := c.JS.Fetch(size, jetstream.FetchMaxWait(orDefault(c.MaxWait, time.Second)))
 	if err != nil {
 		return Stats{}, err
 	}
@@ -147,16 +156,41 @@ func (c *Consumer) Next(ctx context.Context) (Stats, error) {
 	return st, herr
 }
 
-// item is a decoded message.
+// item is a decoded message, with the copies of it that came in the same
+// batch (the same id and body).
 type item struct {
-	msg jetstream.Msg
-	t   Transfer
+	msg    jetstream.Msg
+	t      Transfer
+	copies []jetstream.Msg
 }
 
-// Handle claims, applies and acks one batch of messages.
+// all is the item's message and its copies.
+func (it item) all() []jetstream.Msg { return append([]jetstream.Msg{it.msg}, it.copies...) }
+
+// Handle claims, applies and acks one batch of messages (at most
+// idem.MaxBatch).
 func (c *Consumer) Handle(ctx context.Context, msgs []jetstream.Msg) (Stats, error) {
+	if len(msgs) > idem.MaxBatch {
+		return Stats{}, fmt.Errorf("%w: %d messages, at most %d", ErrBatchSize, len(msgs), idem.MaxBatch)
+	}
+	items, st := c.decode(ctx, msgs)
+	out, err := c.apply(ctx, items)
+	if err != nil {
+		// One message's effect failed and rolled the batch back: apply
+		// each message alone, so that one message cannot hold up the rest.
+		c.logger().LogAttrs(ctx, slog.LevelWarn, "nats-consumer: batch rolled back; applying its messages one by one",
+			slog.Int("messages", len(items)), slog.Any("error", err))
+		return c.applyEach(ctx, items, st)
+	}
+	st.add(c.settle(ctx, out))
+	return st, nil
+}
+
+// decode turns the messages into transfers; what is not one is poison.
+func (c *Consumer) decode(ctx context.Context, msgs []jetstream.Msg) ([]item, Stats) {
 	st := Stats{Fetched: len(msgs)}
 	items := make([]item, 0, len(msgs))
+	seen := make(map[string]int, len(msgs)) // id -> position in items
 	for _, m := range msgs {
 		var t Transfer
 		if err := json.Unmarshal(m.Data(), &t); err != nil || strings.TrimSpace(t.ID) == "" {
@@ -164,39 +198,46 @@ func (c *Consumer) Handle(ctx context.Context, msgs []jetstream.Msg) (Stats, err
 			st.Poison++
 			continue
 		}
-		items = append(items, item{msg: m, t: t})
-	}
-	// One key order for every batch: of two consumers claiming overlapping
-	// batches, one waits for the other's commit; neither holds a key the
-	// other waits for, which would stall both for the claim's lock wait.
-	slices.SortStableFunc(items, func(a, b item) int { return strings.Compare(a.t.ID, b.t.ID) })
-
-	out, err := c.apply(ctx, items)
-	if err != nil {
-		// One message's effect failed and rolled the batch back: apply
-		// each message alone, so that one message cannot hold up the rest.
-		c.logger().LogAttrs(ctx, slog.LevelWarn, "nats-consumer: batch rolled back; applying its messages one by one",
-			slog.Int("messages", len(items)), slog.Any("error", err))
-		var errs []error
-		for _, it := range items {
-			o, err := c.apply(ctx, []item{it})
-			if err != nil {
-				errs = append(errs, err)
-				if c.lastDelivery(it.msg) || errors.Is(err, idem.ErrInvalidInput) {
-					c.poison(ctx, it.msg, err)
-					st.Poison++
-				} else {
-					_ = it.msg.NakWithDelay(orDefault(c.RetryDelay, time.Second))
-					st.Retried++
-				}
+		if i, ok := seen[t.ID]; ok {
+			if bytes.Equal(items[i].msg.Data(), m.Data()) {
+				items[i].copies = append(items[i].copies, m) // settled with the first
 				continue
 			}
-			st.add(c.settle(ctx, o))
+			// Another body under the same id: its next delivery is
+			// claimed against the committed key and answers Mismatch.
+			_ = m.NakWithDelay(orDefault(c.RetryDelay, time.Second))
+			st.Retried++
+			continue
 		}
-		return st, errors.Join(errs...)
+		seen[t.ID] = len(items)
+		items = append(items, item{msg: m, t: t})
 	}
-	st.add(c.settle(ctx, out))
-	return st, nil
+	return items, st
+}
+
+// applyEach applies each item in a transaction of its own. An item that
+// fails is delivered again after RetryDelay, or terminated when idem
+// refuses its key or it has been delivered MaxDeliver times.
+func (c *Consumer) applyEach(ctx context.Context, items []item, st Stats) (Stats, error) {
+	var errs []error
+	for _, it := range items {
+		o, err := c.apply(ctx, []item{it})
+		if err == nil {
+			st.add(c.settle(ctx, o))
+			continue
+		}
+		errs = append(errs, err)
+		for _, m := range it.all() {
+			if c.lastDelivery(m) || errors.Is(err, idem.ErrInvalidInput) {
+				c.poison(ctx, m, err)
+				st.Poison++
+			} else {
+				_ = m.NakWithDelay(orDefault(c.RetryDelay, time.Second))
+				st.Retried++
+			}
+		}
+	}
+	return st, errors.Join(errs...)
 }
 
 // outcome is what one committed transaction decided for its messages.
@@ -204,30 +245,45 @@ type outcome struct {
 	applied, duplicates, retry, poison []item
 }
 
-// apply claims every item's key and writes the acquired items' effects,
-// all in one transaction.
+// apply claims the items' keys in one call and writes the acquired items'
+// effects in one statement, in one transaction.
 func (c *Consumer) apply(ctx context.Context, items []item) (outcome, error) {
+	batch := make([]idem.BatchItem, len(items))
+	transfers := make(map[string]Transfer, len(items))
+	for i, it := range items {
+		// The body's fingerprint: an id reused for another body answers
+		// ErrMismatch instead of passing for a duplicate.
+		batch[i] = idem.BatchItem{Key: it.t.ID, Fingerprint: idem.Fingerprint(it.msg.Data())}
+		transfers[it.t.ID] = it.t
+	}
 	var o outcome
 	err := pgx.BeginFunc(ctx, c.Pool, func(tx pgx.Tx) error {
 		o = outcome{}
-		ic := c.Idem.WithTx(tx)
-		for _, it := range items {
-			res, err := ic.Do(ctx, c.source(), it.t.ID, func(ctx context.Context) (any, error) {
-				return nil, credit(ctx, tx, it.t)
-			}, idem.WithFingerprint(idem.Fingerprint(it.msg.Data())))
+		res, err := c.Idem.WithTx(tx).DoBatch(ctx, c.source(), batch,
+			func(ctx context.Context, acquired []*idem.Claim) ([]idem.WorkResult, error) {
+				ts := make([]Transfer, len(acquired))
+				for i, cl := range acquired {
+					ts[i] = transfers[cl.Key]
+				}
+				return make([]idem.WorkResult, len(acquired)), credit(ctx, tx, ts)
+			})
+		if err != nil {
+			return err
+		}
+		for i, r := range res {
 			switch {
-			case err == nil && res.Replayed:
-				o.duplicates = append(o.duplicates, it)
-			case err == nil:
-				o.applied = append(o.applied, it)
-			case errors.Is(err, idem.ErrInProgress):
+			case r.Err == nil && r.Replayed:
+				o.duplicates = append(o.duplicates, items[i])
+			case r.Err == nil:
+				o.applied = append(o.applied, items[i])
+			case errors.Is(r.Err, idem.ErrInProgress):
 				// Another consumer's transaction still holds the key.
-				o.retry = append(o.retry, it)
-			case errors.Is(err, idem.ErrMismatch), errors.Is(err, idem.ErrFailed):
+				o.retry = append(o.retry, items[i])
+			case errors.Is(r.Err, idem.ErrMismatch), errors.Is(r.Err, idem.ErrFailed):
 				// The id was used before for another body, or failed for good.
-				o.poison = append(o.poison, it)
+				o.poison = append(o.poison, items[i])
 			default:
-				return err
+				return r.Err
 			}
 		}
 		return nil
@@ -235,14 +291,22 @@ func (c *Consumer) apply(ctx context.Context, items []item) (outcome, error) {
 	return o, err
 }
 
-// credit is the effect: a ledger row and the balance moved by the amount
-// (relative, so writing it twice would show).
-func credit(ctx context.Context, tx pgx.Tx, t Transfer) error {
+// credit is the effect of a batch of transfers, in one statement: a ledger
+// row each and the accounts' balances moved by their sums (relative, so
+// writing a transfer twice would show). The balances are locked in account
+// order, so that concurrent batches cannot deadlock on them.
+func credit(ctx context.Context, tx pgx.Tx, ts []Transfer) error {
+	ids, accounts, cents := make([]string, len(ts)), make([]string, len(ts)), make([]int64, len(ts))
+	for i, t := range ts {
+		ids[i], accounts[i], cents[i] = t.ID, t.Account, t.Cents
+	}
 	_, err := tx.Exec(ctx, `
-		WITH l AS (INSERT INTO ledger (transfer_id, account, cents) VALUES ($1, $2, $3))
-		INSERT INTO balances (account, cents) VALUES ($2, $3)
+		WITH t AS (SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[]) AS t (id, account, cents)),
+		     l AS (INSERT INTO ledger (transfer_id, account, cents) SELECT id, account, cents FROM t)
+		INSERT INTO balances (account, cents)
+		SELECT account, sum(cents) FROM t GROUP BY account ORDER BY account
 		ON CONFLICT (account) DO UPDATE SET cents = balances.cents + EXCLUDED.cents`,
-		t.ID, t.Account, t.Cents)
+		ids, accounts, cents)
 	return err
 }
 
@@ -253,19 +317,36 @@ func (c *Consumer) settle(ctx context.Context, o outcome) Stats {
 	if c.AfterCommit != nil {
 		c.AfterCommit()
 	}
+	var st Stats
 	for _, it := range o.applied {
 		_ = it.msg.Ack()
+		st.Applied++
+		st.Duplicates += ack(it.copies)
 	}
 	for _, it := range o.duplicates {
-		_ = it.msg.Ack()
+		st.Duplicates += ack(it.all())
 	}
 	for _, it := range o.retry {
-		_ = it.msg.NakWithDelay(orDefault(c.RetryDelay, time.Second))
+		for _, m := range it.all() {
+			_ = m.NakWithDelay(orDefault(c.RetryDelay, time.Second))
+			st.Retried++
+		}
 	}
 	for _, it := range o.poison {
-		c.poison(ctx, it.msg, errors.New("the id was used for another body, or failed for good"))
+		for _, m := range it.all() {
+			c.poison(ctx, m, errors.New("the id was used for another body, or failed for good"))
+			st.Poison++
+		}
 	}
-	return Stats{Applied: len(o.applied), Duplicates: len(o.duplicates), Retried: len(o.retry), Poison: len(o.poison)}
+	return st
+}
+
+// ack acks msgs and counts them.
+func ack(msgs []jetstream.Msg) int {
+	for _, m := range msgs {
+		_ = m.Ack()
+	}
+	return len(msgs)
 }
 
 // lastDelivery: the consumer's MaxDeliver will not deliver m again.

@@ -53,8 +53,8 @@ func TestRedeliveredMidBatch(t *testing.T) {
 		st, err := a.Next(ctx)
 		first <- result{st, err}
 	}()
-	// The first batch is mid-way: its transaction holds the keys of
-	// t-0000..t-0005 and waits in the effect of t-0005.
+	// The first batch is mid-way: its transaction holds the batch's keys
+	// and waits in its effect (the ledger row of t-0005).
 	waitFor(t, "the first batch to block in its effect", func() bool {
 		var waiting bool
 		err := w.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND objid = 4242 AND NOT granted)`).Scan(&waiting)
@@ -159,6 +159,20 @@ func TestPoisonMessages(t *testing.T) {
 	}
 	if st.Applied != len(ts) {
 		t.Errorf("applied %d transfers, want %d: %+v", st.Applied, len(ts), st)
+	}
+	w.checkBooked(t, ts)
+}
+
+// TestCopiesInOneBatch: copies of a message (the same id and body) in one
+// batch are settled with the first: one application, the copies acked as
+// duplicates, none put back for a retry.
+func TestCopiesInOneBatch(t *testing.T) {
+	w := newWorld(t, jetstream.ConsumerConfig{AckWait: 30 * time.Second})
+	ts := transfers(2)
+	w.publish(t, ts[0], ts[0], ts[1], ts[0])
+	st := w.run(t, w.consumer(t, 10))
+	if st.Applied != 2 || st.Duplicates != 2 || st.Retried != 0 || st.Poison != 0 {
+		t.Errorf("stats %+v; want 2 applied, 2 duplicates, nothing retried", st)
 	}
 	w.checkBooked(t, ts)
 }
