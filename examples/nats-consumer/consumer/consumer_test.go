@@ -19,29 +19,14 @@ import (
 // completed once it commits, and acks without booking; the first acks
 // after its commit. Every transfer is booked once and every message acked.
 func TestRedeliveredMidBatch(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	w := newWorld(t, jetstream.ConsumerConfig{AckWait: time.Second})
 	ts := transfers(10)
 	w.publish(t, ts...)
 
-	// The ledger insert of the 6th transfer waits for the test's lock.
-	if _, err := w.pool.Exec(ctx, `
-		CREATE FUNCTION hold() RETURNS trigger LANGUAGE plpgsql AS $$
-		BEGIN
-			IF NEW.transfer_id = 't-0005' THEN PERFORM pg_advisory_xact_lock_shared(4242); END IF;
-			RETURN NEW;
-		END $$;
-		CREATE TRIGGER ledger_hold BEFORE INSERT ON ledger FOR EACH ROW EXECUTE FUNCTION hold()`); err != nil {
-		t.Fatal(err)
-	}
-	lock, err := w.pool.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer lock.Release()
-	if _, err := lock.Exec(ctx, `SELECT pg_advisory_lock(4242)`); err != nil {
-		t.Fatal(err)
-	}
+	// The ledger insert of t-0005 waits for the test's lock.
+	release := holdLedger(t, w)
 
 	a, b := w.consumer(t, 10), w.consumer(t, 10)
 	type result struct {
@@ -55,11 +40,7 @@ func TestRedeliveredMidBatch(t *testing.T) {
 	}()
 	// The first batch is mid-way: its transaction holds the batch's keys
 	// and waits in its effect (the ledger row of t-0005).
-	waitFor(t, "the first batch to block in its effect", func() bool {
-		var waiting bool
-		err := w.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND objid = 4242 AND NOT granted)`).Scan(&waiting)
-		return err == nil && waiting
-	})
+	waitForHold(t, w)
 
 	// AckWait expires: the same messages are delivered to another fetch.
 	batch, err := b.JS.Fetch(10, jetstream.FetchMaxWait(30*time.Second))
@@ -87,9 +68,7 @@ func TestRedeliveredMidBatch(t *testing.T) {
 		second <- result{st, err}
 	}()
 	// The slow work goes on and commits.
-	if _, err := lock.Exec(ctx, `SELECT pg_advisory_unlock(4242)`); err != nil {
-		t.Fatal(err)
-	}
+	release()
 	ra, rb := <-first, <-second
 	if ra.err != nil || rb.err != nil {
 		t.Fatalf("first batch: %v; redelivered batch: %v", ra.err, rb.err)
@@ -115,6 +94,7 @@ func TestRedeliveredMidBatch(t *testing.T) {
 // consumer at once. Each transfer is applied exactly once, every message
 // is acked, and nothing is left pending.
 func TestTwoConsumersEveryMessageTwice(t *testing.T) {
+	t.Parallel()
 	w := newWorld(t, jetstream.ConsumerConfig{AckWait: 30 * time.Second})
 	ts := transfers(150)
 	msgs := append(append([]consumer.Transfer(nil), ts...), ts...)
@@ -143,6 +123,7 @@ func TestTwoConsumersEveryMessageTwice(t *testing.T) {
 // fails every time (a CHECK violation: nak'd until MaxDeliver, then
 // terminated). The good transfers around them are booked once.
 func TestPoisonMessages(t *testing.T) {
+	t.Parallel()
 	w := newWorld(t, jetstream.ConsumerConfig{AckWait: 30 * time.Second, MaxDeliver: 2})
 	ts := transfers(6)
 	w.publish(t, ts[:3]...)
@@ -167,6 +148,7 @@ func TestPoisonMessages(t *testing.T) {
 // batch are settled with the first: one application, the copies acked as
 // duplicates, none put back for a retry.
 func TestCopiesInOneBatch(t *testing.T) {
+	t.Parallel()
 	w := newWorld(t, jetstream.ConsumerConfig{AckWait: 30 * time.Second})
 	ts := transfers(2)
 	w.publish(t, ts[0], ts[0], ts[1], ts[0])

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"sync"
 	"testing"
 	"time"
 
@@ -79,11 +80,17 @@ func (w *world) jetStream(t *testing.T) jetstream.JetStream {
 // another process would have.
 func (w *world) consumer(t *testing.T, batch int) *consumer.Consumer {
 	t.Helper()
+	return w.consumerAt(t, w.dbURL, batch)
+}
+
+// consumerAt is consumer with its pool on dbURL (another role, PgBouncer).
+func (w *world) consumerAt(t *testing.T, dbURL string, batch int) *consumer.Consumer {
+	t.Helper()
 	cons, err := w.jetStream(t).Consumer(context.Background(), streamName, durable)
 	if err != nil {
 		t.Fatal(err)
 	}
-	pool := testdb.Pool(t, w.dbURL, 4)
+	pool := testdb.Pool(t, dbURL, 4)
 	return &consumer.Consumer{JS: cons, Pool: pool, Idem: testdb.Client(t, pool, nil),
 		BatchSize: batch, MaxWait: 200 * time.Millisecond, RetryDelay: 100 * time.Millisecond}
 }
@@ -206,4 +213,49 @@ func (w *world) checkBooked(t *testing.T, ts []consumer.Transfer) {
 			t.Errorf("balance of %s is %d, want %d", acct, got, cents)
 		}
 	}
+}
+
+// holdLedger makes the ledger insert of transfer t-0005 (and so a batch
+// holding it) wait for a lock the test holds until release is called.
+func holdLedger(t *testing.T, w *world) (release func()) {
+	t.Helper()
+	ctx := context.Background()
+	if _, err := w.pool.Exec(ctx, `
+		CREATE FUNCTION hold() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN
+			IF NEW.transfer_id = 't-0005' THEN PERFORM pg_advisory_xact_lock_shared(4242); END IF;
+			RETURN NEW;
+		END $$;
+		CREATE TRIGGER ledger_hold BEFORE INSERT ON ledger FOR EACH ROW EXECUTE FUNCTION hold()`); err != nil {
+		t.Fatal(err)
+	}
+	conn, err := w.pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Exec(ctx, `SELECT pg_advisory_lock(4242)`); err != nil {
+		t.Fatal(err)
+	}
+	var once sync.Once
+	release = func() {
+		once.Do(func() {
+			if _, err := conn.Exec(ctx, `SELECT pg_advisory_unlock(4242)`); err != nil {
+				t.Error(err)
+			}
+			conn.Release()
+		})
+	}
+	t.Cleanup(release)
+	return release
+}
+
+// waitForHold waits until a transaction waits for holdLedger's lock.
+func waitForHold(t *testing.T, w *world) {
+	t.Helper()
+	waitFor(t, "a batch to block in its effect", func() bool {
+		var waiting bool
+		err := w.pool.QueryRow(context.Background(),
+			`SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND objid = 4242 AND NOT granted)`).Scan(&waiting)
+		return err == nil && waiting
+	})
 }

@@ -141,6 +141,7 @@ func (p *proc) kill() {
 // once AckWait expires they are delivered to a new process, which finds
 // every key completed and acks them all without booking again.
 func TestKilledBetweenCommitAndAck(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	w := newWorld(t, jetstream.ConsumerConfig{AckWait: 2 * time.Second})
 	ts := transfers(20)
