@@ -7,22 +7,66 @@ CREATE OR REPLACE FUNCTION idem.complete_batch(source text, keys text[], tokens 
  SECURITY DEFINER
  SET search_path TO 'pg_catalog', 'pg_temp'
  SET plan_cache_mode TO 'force_generic_plan'
+ SET enable_hashjoin TO 'off'
+ SET enable_mergejoin TO 'off'
 AS $function$
 #variable_conflict use_column
 DECLARE
-    v_n integer := cardinality(complete_batch.keys);
-    v_i integer;
+    v_n     integer := cardinality(complete_batch.keys);
+    v_now   timestamptz;
+    v_month date;
+    v_done  integer[];
+    v_i     integer;
 BEGIN
-    PERFORM idem.check_batch('idem.complete_batch', complete_batch.source, v_n, complete_batch.keys,
-                             complete_batch.tokens::text[]);
-    PERFORM idem.check_batch('idem.complete_batch', complete_batch.source, v_n, complete_batch.keys,
-                             complete_batch.results::text[]);
-    FOR v_i IN 1 .. v_n LOOP
-        ord := v_i;
-        outcome := idem.complete(complete_batch.source, complete_batch.keys[v_i], complete_batch.tokens[v_i],
-                                 complete_batch.results[v_i]);
-        stored := complete_batch.results[v_i]::text;
-        RETURN NEXT;
-    END LOOP;
+    PERFORM idem.check_batch('idem.complete_batch', complete_batch.source, v_n, complete_batch.keys, complete_batch.tokens::text[]);
+    PERFORM idem.check_batch('idem.complete_batch', complete_batch.source, v_n, complete_batch.keys, complete_batch.results::text[]);
+    IF complete_batch.source IS NULL OR octet_length(complete_batch.source) NOT BETWEEN 1 AND 64
+       OR btrim(complete_batch.source, E' \t\r\n') = '' OR complete_batch.source ~ '[\x01-\x1f\x7f]'
+       OR EXISTS (SELECT 1 FROM unnest(complete_batch.keys, complete_batch.tokens, complete_batch.results) x(k, t, r)
+                   WHERE x.k IS NULL OR octet_length(x.k) NOT BETWEEN 1 AND 512 OR btrim(x.k, E' \t\r\n') = ''
+                      OR x.t IS NULL OR pg_column_size(x.r) > 1048576) THEN
+        -- idem.complete's own checks, item by item, name the problem.
+        FOR v_i IN 1 .. v_n LOOP
+            PERFORM idem.check_key(format('idem.complete_batch (item %s)', v_i), complete_batch.source, complete_batch.keys[v_i]);
+            IF complete_batch.tokens[v_i] IS NULL THEN
+                RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = format('idem.complete_batch (item %s): token must not be NULL', v_i);
+            END IF;
+            IF pg_column_size(complete_batch.results[v_i]) > 1048576 THEN
+                RAISE EXCEPTION USING ERRCODE = '54000',
+                    MESSAGE = format('idem.complete_batch (item %s): result is %s bytes, over the 1 MiB limit', v_i, pg_column_size(complete_batch.results[v_i])),
+                    HINT = 'Store large results in your own table and keep a reference in the result.';
+            END IF;
+        END LOOP;
+    END IF;
+    v_now := idem.clock();
+    v_month := idem.utc_month(v_now);
+    -- idem.complete's first window (the previous, current and next month),
+    -- every item in one statement.
+    WITH u AS (
+        UPDATE idem.processed_events e
+           SET status = 'completed', result = x.r, completed_at = v_now, updated_at = v_now,
+               lease_expires_at = NULL, retryable = NULL, last_error = NULL
+          FROM (SELECT o::integer AS o, complete_batch.keys[o] AS k, complete_batch.tokens[o] AS t,
+                       complete_batch.results[o] AS r
+                  FROM generate_subscripts(complete_batch.keys, 1) o) x
+         WHERE e.source = complete_batch.source AND e.key = x.k
+           AND e.first_seen_month >= (v_month - interval '1 month')::date
+           AND e.first_seen_month <= (v_month + interval '1 month')::date
+           AND e.token = x.t AND e.status = 'processing'
+        RETURNING x.o, x.r)
+    SELECT array_agg(u.o) INTO v_done FROM u;
+    RETURN QUERY SELECT d.o, 'completed'::text, complete_batch.results[d.o]::text FROM unnest(v_done) d(o);
+    -- The others (a row in an older month, completed before, a stale
+    -- token, a key repeated in the batch): idem.complete answers each.
+    IF coalesce(cardinality(v_done), 0) < v_n THEN
+        FOR v_i IN SELECT o FROM generate_subscripts(complete_batch.keys, 1) o
+                    WHERE o <> ALL (coalesce(v_done, '{}')) ORDER BY o LOOP
+            ord := v_i;
+            outcome := idem.complete(complete_batch.source, complete_batch.keys[v_i], complete_batch.tokens[v_i],
+                                     complete_batch.results[v_i]);
+            stored := complete_batch.results[v_i]::text;
+            RETURN NEXT;
+        END LOOP;
+    END IF;
 END
 $function$;
