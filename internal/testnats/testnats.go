@@ -49,9 +49,12 @@ func Start(t testing.TB) *Server {
 	return s
 }
 
+// binaries are where Binary looks: PATH, then where packages install it.
+var binaries = []string{"nats-server", "/usr/sbin/nats-server", "/usr/bin/nats-server", "/usr/local/bin/nats-server"}
+
 // Binary finds nats-server on PATH or where Debian installs it.
 func Binary() (string, error) {
-	for _, p := range []string{"nats-server", "/usr/sbin/nats-server", "/usr/bin/nats-server", "/usr/local/bin/nats-server"} {
+	for _, p := range binaries {
 		if path, err := exec.LookPath(p); err == nil {
 			return path, nil
 		}

@@ -35,3 +35,12 @@ func TestStart(t *testing.T) {
 		t.Fatalf("the stopped server's directory is still there: %v", err)
 	}
 }
+
+// TestNoBinary: without nats-server the error says how to install it.
+func TestNoBinary(t *testing.T) {
+	testnats.SetBinaries(t, "/nonexistent/nats-server")
+	_, err := testnats.Binary()
+	if err == nil || !strings.Contains(err.Error(), "apt-get install nats-server") {
+		t.Fatalf("Binary() = %v; want an error saying how to install nats-server", err)
+	}
+}
