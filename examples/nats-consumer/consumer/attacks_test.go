@@ -2,6 +2,7 @@ package consumer_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"testing"
@@ -9,6 +10,7 @@ import (
 
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/examples/nats-consumer/consumer"
 	"github.com/idemkit/idem/internal/testdb"
 )
@@ -105,4 +107,21 @@ func TestShutdownMidBatch(t *testing.T) {
 		t.Errorf("stats %+v; want the %d transfers applied by the next consumer", st, len(ts))
 	}
 	w.checkBooked(t, ts)
+}
+
+// TestBatchSizeOutOfRange: a BatchSize over idem.MaxBatch, or negative, and
+// more messages than that given to Handle are refused with ErrBatchSize
+// before anything is fetched or claimed.
+func TestBatchSizeOutOfRange(t *testing.T) {
+	t.Parallel()
+	for _, n := range []int{-1, idem.MaxBatch + 1} {
+		c := &consumer.Consumer{BatchSize: n}
+		if _, err := c.Next(context.Background()); !errors.Is(err, consumer.ErrBatchSize) {
+			t.Errorf("BatchSize %d: %v, want ErrBatchSize", n, err)
+		}
+	}
+	c := &consumer.Consumer{}
+	if _, err := c.Handle(context.Background(), make([]jetstream.Msg, idem.MaxBatch+1)); !errors.Is(err, consumer.ErrBatchSize) {
+		t.Errorf("Handle of %d messages: %v, want ErrBatchSize", idem.MaxBatch+1, err)
+	}
 }

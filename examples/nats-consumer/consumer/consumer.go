@@ -53,9 +53,9 @@ func Setup(ctx context.Context, pool *pgxpool.Pool) error {
 	return err
 }
 
-// ErrBatchSize: BatchSize, or the messages given to Handle, over
-// idem.MaxBatch (what one batch claim takes).
-var ErrBatchSize = errors.New("nats-consumer: batch too large")
+// ErrBatchSize: BatchSize negative or over idem.MaxBatch (what one batch
+// claim takes), or more messages than that given to Handle.
+var ErrBatchSize = errors.New("nats-consumer: batch size out of range")
 
 // Consumer consumes one JetStream consumer (durable, pull, explicit acks).
 type Consumer struct {
@@ -123,7 +123,7 @@ func orDefault[T comparable](v, def T) T {
 func (c *Consumer) Run(ctx context.Context) error {
 	for ctx.Err() == nil {
 		if _, err := c.Next(ctx); err != nil && ctx.Err() == nil {
-			c.logger().LogAttrs(ctx, slog.LevelWarn, "nats-consumer: batch failed; its messages are delivered again",
+			c.logger().LogAttrs(ctx, slog.LevelWarn, "nats-consumer: batch incomplete; its messages not acked are delivered again",
 				slog.Any("error", err))
 			select {
 			case <-ctx.Done():
