@@ -68,9 +68,9 @@ func TestLeastPrivilegedRole(t *testing.T) {
 }
 
 // TestShutdownMidBatch: the consumer's context is cancelled (a shutdown)
-// while its batch's transaction is half-way. The transaction rolls back
-// and nothing is acked; once AckWait expires another consumer books every
-// transfer, once.
+// while its batch's transaction is half-way. The transaction rolls back,
+// nothing is acked and the messages are put back; another consumer books
+// every transfer, once.
 func TestShutdownMidBatch(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
