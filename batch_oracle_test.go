@@ -16,7 +16,7 @@ import (
 // the token reduced to whether there is one (each acquisition has its own).
 type answerRow struct {
 	outcome, attempt, leaseAt, result, err, firstSeen, expiresAt, left string
-	token                                                             bool
+	token                                                              bool
 }
 
 const answerCols = `outcome, token IS NOT NULL, coalesce(attempt::text, '-'), coalesce(lease_expires_at::text, '-'),
