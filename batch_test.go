@@ -532,3 +532,60 @@ func TestClaimBatchLeastPrivilege(t *testing.T) {
 		}
 	}
 }
+
+// TestClaimBatchBusyKey: a key whose claim is inside another open
+// transaction is answered as idem.claim answers it: InProgress once the
+// batch's lock wait has passed (0 here), or, when that transaction commits
+// its completion within the wait, Completed with its result; the other
+// keys of the batch are acquired either way.
+func TestClaimBatchBusyKey(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, c := setup(t)
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	held, err := c.WithTx(tx).Claim(ctx, "q", "busy")
+	if err != nil || held.Outcome != idem.Acquired {
+		t.Fatalf("%+v %v", held, err)
+	}
+	cls, err := c.ClaimBatch(ctx, "q", batchItems("a1", "busy", "a2"), idem.WithLockWait(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cls[0].Outcome != idem.Acquired || cls[1].Outcome != idem.InProgress || cls[2].Outcome != idem.Acquired {
+		t.Fatalf("no wait: %+v %+v %+v", cls[0], cls[1], cls[2])
+	}
+	done := make(chan []*idem.Claim, 1)
+	go func() {
+		cls, err := c.ClaimBatch(ctx, "q", batchItems("b1", "busy", "b2"), idem.WithLockWait(time.Minute))
+		if err != nil {
+			t.Error(err)
+		}
+		done <- cls
+	}()
+	// The batch waits for the key's lock (seen in pg_locks), then the
+	// holder completes and commits.
+	for {
+		var waiting bool
+		if err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE query LIKE '%claim_batch%' AND wait_event = 'PgSleep' AND datname = current_database())`).Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		if waiting {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if err := c.WithTx(tx).Complete(ctx, "q", "busy", held.Token, json.RawMessage(`"done"`)); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	cls = <-done
+	if cls[0].Outcome != idem.Acquired || cls[1].Outcome != idem.Completed || string(cls[1].Result) != `"done"` || cls[2].Outcome != idem.Acquired {
+		t.Fatalf("waited: %+v %+v %+v", cls[0], cls[1], cls[2])
+	}
+}
