@@ -81,6 +81,8 @@ DECLARE
     v_ords     integer[];          -- the distinct keys' first positions, in lock order
     v_hashes   integer[];          -- their lock keys
     v_locked   integer[] := '{}';  -- the positions whose key this call has locked
+    v_from     integer;            -- the next position of v_ords to lock
+    v_busy     integer;            -- a position of v_ords whose lock is busy
     v_slow     integer[];          -- the positions idem.claim answers
     v_i        integer;
     v_acq      integer;
@@ -159,23 +161,32 @@ BEGIN
               FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o)
              GROUP BY u.k) d;
 
-    -- Each key's lock in that order, as idem.claim takes it. A key whose
-    -- lock another open transaction holds is answered by idem.claim at once
-    -- (from what is committed when that is final, or after waiting for the
-    -- lock until the batch's deadline) before the next key is locked, so a
-    -- batch never holds a later key while it waits for an earlier one.
-    FOR v_i IN 1 .. cardinality(v_ords) LOOP
-        IF pg_try_advisory_xact_lock(1768187245, v_hashes[v_i]) THEN
-            v_locked := v_locked || v_ords[v_i];
-        ELSE
-            SELECT * INTO c FROM idem.claim(claim_batch.source, claim_batch.keys[v_ords[v_i]], claim_batch.fingerprints[v_ords[v_i]],
-                                            claim_batch.ttl, claim_batch.lease, claim_batch.event_types[v_ords[v_i]],
-                                            greatest(v_until - clock_timestamp(), interval '0'));
-            ord := v_ords[v_i]; outcome := c.outcome; token := c.token; attempt := c.attempt;
-            lease_expires_at := c.lease_expires_at; result := c.result; error := c.error;
-            first_seen := c.first_seen; expires_at := c.expires_at; lease_remaining := c.lease_remaining;
-            RETURN NEXT;
+    -- Each key's lock in that order, as idem.claim takes it: one statement
+    -- tries them in order and stops at the first that another open
+    -- transaction holds (LIMIT 1: the later ones are not tried). That key
+    -- is answered by idem.claim at once (from what is committed when that
+    -- is final, or after waiting for the lock until the batch's deadline),
+    -- and the statement goes on after it: a batch never holds a later key
+    -- while it waits for an earlier one.
+    v_from := 1;
+    WHILE v_from <= cardinality(v_ords) LOOP
+        SELECT v_from + u.i::integer - 1 INTO v_busy
+          FROM unnest(v_hashes[v_from:]) WITH ORDINALITY u(h, i)
+         WHERE NOT pg_try_advisory_xact_lock(1768187245, u.h)
+         LIMIT 1;
+        IF v_busy IS NULL THEN
+            v_locked := v_locked || v_ords[v_from:];
+            EXIT;
         END IF;
+        v_locked := v_locked || v_ords[v_from:v_busy - 1];
+        SELECT * INTO c FROM idem.claim(claim_batch.source, claim_batch.keys[v_ords[v_busy]], claim_batch.fingerprints[v_ords[v_busy]],
+                                        claim_batch.ttl, claim_batch.lease, claim_batch.event_types[v_ords[v_busy]],
+                                        greatest(v_until - clock_timestamp(), interval '0'));
+        ord := v_ords[v_busy]; outcome := c.outcome; token := c.token; attempt := c.attempt;
+        lease_expires_at := c.lease_expires_at; result := c.result; error := c.error;
+        first_seen := c.first_seen; expires_at := c.expires_at; lease_remaining := c.lease_remaining;
+        RETURN NEXT;
+        v_from := v_busy + 1;
     END LOOP;
 
     IF cardinality(v_locked) > 0 THEN
