@@ -60,6 +60,12 @@ type driver interface {
 	completeUnstored(ctx context.Context, source, key string, token int64, reason string) (string, error)
 	fail(ctx context.Context, source, key string, token int64, msg string, retryable bool) (string, error)
 	extend(ctx context.Context, source, key string, token int64, lease time.Duration) (string, time.Time, error)
+	// claimBatch, completeBatch and failBatch are the batch calls
+	// (driver_batch.go): one answer per item, in the items' order, or nil
+	// when the function answered some item twice or not at all.
+	claimBatch(ctx context.Context, a batchArgs) ([]*Claim, error)
+	completeBatch(ctx context.Context, source string, items []Completion) (outcomes, stored []string, err error)
+	failBatch(ctx context.Context, source string, items []Failure) ([]string, error)
 	// peek reads the key's status and remaining lease (status "" when
 	// there is no row); waitBegin and waitEnd register a waiter.
 	peek(ctx context.Context, source, key string) (string, time.Duration, error)
@@ -201,7 +207,7 @@ func (e modeExecutor) Exec(ctx context.Context, sql string, args ...any) (pgconn
 }
 
 func (e modeExecutor) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
-	return e.db.Query(ctx, sql, e.mode.args(args)...) // not used by the protocol's one-row queries
+	return e.db.Query(ctx, sql, e.mode.args(args)...) // the batch calls retry a refused statement (pgxRetry)
 }
 
 func (e modeExecutor) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {

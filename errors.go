@@ -65,6 +65,14 @@ var (
 	// node's claims (SQLSTATE ID005, migration 11; docs/citus.md). Nothing
 	// was claimed.
 	ErrNotDelegated = errors.New("idem: the claim was not delegated to the Citus node that holds its key")
+	// ErrBatchTooLarge: a batch of more than MaxBatch items (SQLSTATE ID009
+	// from the database). Nothing was claimed or recorded.
+	ErrBatchTooLarge = errors.New("idem: batch too large")
+	// ErrBatchNotSupported: a batch claim on a distributed (Citus)
+	// installation, whose keys live on several nodes (SQLSTATE ID006):
+	// claim each key with Claim or Do, which Citus delegates to the key's
+	// node. Nothing was claimed.
+	ErrBatchNotSupported = errors.New("idem: batch claims are not supported on a distributed installation")
 )
 
 // Error is an error from PostgreSQL while running an idem operation.
@@ -181,6 +189,10 @@ func convert(op, source, key string, err error) error {
 			e.Kind = ErrNotMigrated
 		case sqlstate.NotDelegated:
 			e.Kind = ErrNotDelegated
+		case sqlstate.BatchTooLarge:
+			e.Kind = ErrBatchTooLarge
+		case sqlstate.Distributed:
+			e.Kind = ErrBatchNotSupported
 		}
 	case errors.Is(err, pgx.ErrNoRows):
 		// The protocol functions always return a row; none means the
@@ -221,7 +233,7 @@ func transient(err error) bool {
 		return false
 	}
 	for _, final := range []error{ErrInvalidInput, ErrResultTooLarge, ErrUnknownPolicy, ErrNotMigrated,
-		ErrIsolationNotSupported, ErrStaleToken, ErrNotFound, ErrInvalidConfig} {
+		ErrIsolationNotSupported, ErrStaleToken, ErrNotFound, ErrInvalidConfig, ErrBatchTooLarge, ErrBatchNotSupported} {
 		if errors.Is(err, final) {
 			return false
 		}

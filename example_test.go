@@ -235,3 +235,62 @@ func ExampleEffect_OutboundKey() {
 	// Idempotency-Key: 1eb32150bed823ca383130c8b5add38723af507058a6f0d1d608837f063d052d
 	// Idempotency-Key: 1eb32150bed823ca383130c8b5add38723af507058a6f0d1d608837f063d052d
 }
+
+// A queue consumer: a fetched batch is claimed in one call, the acquired
+// messages' effects are written in one transaction with the claims and the
+// completions, and every message whose outcome is final is acknowledged; a
+// redelivered batch replays without running the work.
+func ExampleClient_DoBatch() {
+	ctx := context.Background()
+	pool, done := testdb.ExamplePool()
+	defer done()
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		log.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS public.orders (id text PRIMARY KEY)`); err != nil {
+		log.Fatal(err)
+	}
+
+	batch := []idem.BatchItem{{Key: "msg-1"}, {Key: "msg-2"}, {Key: "msg-1"}} // msg-1 delivered twice
+	for delivery := 1; delivery <= 2; delivery++ {
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			log.Fatal(err)
+		}
+		res, err := c.WithTx(tx).DoBatch(ctx, "orders", batch, func(ctx context.Context, acquired []*idem.Claim) ([]idem.WorkResult, error) {
+			out := make([]idem.WorkResult, len(acquired))
+			for i, cl := range acquired {
+				if _, err := tx.Exec(ctx, `INSERT INTO public.orders (id) VALUES ($1)`, cl.Key); err != nil {
+					return nil, err
+				}
+				out[i].Value = "stored " + cl.Key
+			}
+			return out, nil
+		})
+		if err != nil {
+			_ = tx.Rollback(ctx)
+			log.Fatal(err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			log.Fatal(err)
+		}
+		for i, r := range res {
+			switch {
+			case r.Err == nil: // done now or before: acknowledge
+				fmt.Printf("delivery %d, %s: ack %s (replayed %v)\n", delivery, batch[i].Key, r.Result.Result, r.Replayed)
+			case errors.Is(r.Err, idem.ErrInProgress): // another copy is in flight: redeliver later
+				fmt.Printf("delivery %d, %s: nak\n", delivery, batch[i].Key)
+			default:
+				fmt.Printf("delivery %d, %s: %v\n", delivery, batch[i].Key, r.Err)
+			}
+		}
+	}
+	// Output:
+	// delivery 1, msg-1: ack "stored msg-1" (replayed false)
+	// delivery 1, msg-2: ack "stored msg-2" (replayed false)
+	// delivery 1, msg-1: nak
+	// delivery 2, msg-1: ack "stored msg-1" (replayed true)
+	// delivery 2, msg-2: ack "stored msg-2" (replayed true)
+	// delivery 2, msg-1: ack "stored msg-1" (replayed true)
+}

@@ -22,8 +22,12 @@ type ClaimObservation struct {
 	// Err is the claim's error (an *Error: ErrInvalidInput, a database
 	// error, ...), nil when the claim answered.
 	Err error
-	// Duration is the claim's wall time in this process.
+	// Duration is the claim's wall time in this process; for an item of a
+	// batch (ClaimBatch, DoBatch), the wall time of the whole batch call.
 	Duration time.Duration
+	// Batch is the number of items of the batch the claim was part of;
+	// 0 for a claim of one key (Claim, Do).
+	Batch int
 }
 
 // Duplicate reports whether the claim answered a delivery seen before:

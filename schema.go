@@ -26,10 +26,19 @@ var requiredFunctions = strings.Join([]string{
 	"idem.wait_end(bigint)",
 }, ";")
 
+// batchFunctions are the SQL functions of the batch calls (migration 18),
+// checked apart from requiredFunctions, before a client's first batch:
+// a schema before 18 still serves single claims.
+var batchFunctions = strings.Join([]string{
+	"idem.claim_batch(text,text[],text[],interval,interval,text[],interval)",
+	"idem.complete_batch(text,text[],bigint[],jsonb[])",
+	"idem.fail_batch(text,text[],bigint[],text[],boolean[])",
+}, ";")
+
 // schemaState remembers that the schema had every required function; it is
 // shared by a client and those WithTx derives, and forgotten when a call
 // finds a function missing, so the next claim checks again.
-type schemaState struct{ ok atomic.Bool }
+type schemaState struct{ ok, batchOK atomic.Bool }
 
 // ready checks, once per client until a function goes missing, that the
 // schema has every function the client calls.
@@ -49,11 +58,30 @@ func (c *Client) ready(ctx context.Context, source, key string) error {
 	return nil
 }
 
+// batchReady is ready for the batch calls: the schema has every function a
+// client calls, and the batch functions.
+func (c *Client) batchReady(ctx context.Context, source string) error {
+	if err := c.ready(ctx, source, ""); err != nil || c.schema == nil || c.schema.batchOK.Load() {
+		return err
+	}
+	missing, err := c.d.missingFunctions(ctx, batchFunctions)
+	if err != nil {
+		return convert("claim", source, "", err)
+	}
+	if missing != "" {
+		return &Error{Op: "claim", Source: source, Kind: ErrNotMigrated,
+			Err: fmt.Errorf("schema idem lacks %s (migration 18): migrate it up (idemctl migrate up) before this code claims in batches", missing)}
+	}
+	c.schema.batchOK.Store(true)
+	return nil
+}
+
 // forgetSchema makes the next claim check the schema again after err (an
 // operation found a function missing).
 func (c *Client) forgetSchema(err error) {
 	if c.schema != nil && errors.Is(err, ErrNotMigrated) {
 		c.schema.ok.Store(false)
+		c.schema.batchOK.Store(false)
 	}
 }
 

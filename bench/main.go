@@ -54,7 +54,7 @@ func main() {
 	flag.IntVar(&o.rounds, "rounds", 0, "interleaved rounds per comparison (default 3, full 5)")
 	flag.DurationVar(&o.duration, "duration", 0, "length of one side of one round (default 2s, full 5s)")
 	flag.StringVar(&o.out, "out", "bench/results.md", "write the markdown table here too")
-	flag.StringVar(&o.only, "only", "", "run only the sections whose name contains this (claim, dup, complete, lib, maint, retention, scale, inbox, wait, cache, adopt, plans, dashboard, e2e)")
+	flag.StringVar(&o.only, "only", "", "run only the sections whose name contains this (claim, dup, complete, lib, maint, retention, scale, inbox, wait, cache, adopt, plans, dashboard, e2e, batch)")
 	flag.Parse()
 	o.defaults()
 
@@ -156,6 +156,7 @@ func run(ctx context.Context, o options) error {
 	t := &table{}
 	claims := &v2table{}
 	e2e := &v2table{title: "End to end, through the Go API (median ratio of interleaved rounds, spread min..max)"}
+	batch := &v2table{title: "Batch claims: keys per second (median ratio of interleaved rounds, spread min..max)"}
 	sections := []struct {
 		name string
 		fn   func(context.Context, *env, options, *table) error
@@ -174,6 +175,7 @@ func run(ctx context.Context, o options) error {
 		{"plans", benchPlans},
 		{"dashboard", benchDashboard},
 		{"e2e", func(ctx context.Context, e *env, o options, _ *table) error { return benchE2E(ctx, e, o, e2e) }},
+		{"batch", func(ctx context.Context, e *env, o options, _ *table) error { return benchBatch(ctx, e, o, batch) }},
 	}
 	for _, s := range sections {
 		if o.only != "" && !strings.Contains(s.name, o.only) {
@@ -197,6 +199,7 @@ func run(ctx context.Context, o options) error {
 	fmt.Fprintf(&w, "- sizes: %s; %d interleaved rounds of %s per side\n\n", sizes(o), o.rounds, o.duration)
 	claims.write(&w)
 	e2e.write(&w)
+	batch.write(&w)
 	if len(waitNotes) > 0 {
 		fmt.Fprintf(&w, "## What the statements wait on (pg_stat_activity sampled every 5 ms; CPU: no wait event)\n\n%s\n\n", strings.Join(waitNotes, "\n"))
 	}

@@ -199,9 +199,17 @@ func TestRacingMigrateUpThroughPgBouncer(t *testing.T) {
 			}
 		}
 		slices.Sort(versions)
+		// Every version after from, as shipped: the numbers may have gaps
+		// (a branch's migration numbered ahead of another's).
 		var want []int64
-		for v := from + 1; v <= migrate.Latest(); v++ {
-			want = append(want, v)
+		sp, err := migrate.NewProvider(direct)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, src := range sp.ListSources() {
+			if src.Version > from {
+				want = append(want, src.Version)
+			}
 		}
 		if !slices.Equal(versions, want) {
 			t.Fatalf("from %d: the two migrators applied %v (first %d, second %d steps), want each of %v once",
@@ -212,8 +220,8 @@ func TestRacingMigrateUpThroughPgBouncer(t *testing.T) {
 		if err := direct.QueryRowContext(ctx, `SELECT count(*), count(DISTINCT version_id) FROM idem.goose_db_version WHERE version_id > 0`).Scan(&rows, &distinct); err != nil {
 			t.Fatal(err)
 		}
-		if rows != migrate.Latest() || distinct != rows {
-			t.Fatalf("from %d: the version table holds %d rows of %d versions, want %d", from, rows, distinct, migrate.Latest())
+		if shipped := int64(len(sp.ListSources())); rows != shipped || distinct != rows {
+			t.Fatalf("from %d: the version table holds %d rows of %d versions, want %d", from, rows, distinct, shipped)
 		}
 		var locks int
 		if err := direct.QueryRowContext(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) AND classid = 0 AND objid = $1 AND objsubid = 1`,

@@ -116,6 +116,92 @@ func (q *Queries) Claim(ctx context.Context, arg ClaimParams) (ClaimRow, error) 
 	return i, err
 }
 
+const claimBatch = `-- name: ClaimBatch :many
+SELECT c.ord::integer              AS ord,
+       c.outcome::text             AS outcome,
+       coalesce(c.token, 0)::bigint AS token,
+       coalesce(c.attempt, 0)::integer AS attempt,
+       c.lease_expires_at::timestamptz AS lease_expires_at,
+       c.result::jsonb             AS result,
+       coalesce(c.error, '')::text AS error,
+       c.first_seen::timestamptz   AS first_seen,
+       c.expires_at::timestamptz   AS expires_at,
+       coalesce(floor(pg_catalog.date_part('epoch', c.lease_remaining) * 1000::double precision), 0)::bigint AS lease_remaining_ms
+  FROM idem.claim_batch(
+         $1::text,
+         $2::text::text[],
+         $3::text::text[],
+         $4::bigint * interval '1 millisecond',
+         $5::bigint * interval '1 millisecond',
+         $6::text::text[],
+         $7::bigint * interval '1 millisecond') AS c
+`
+
+type ClaimBatchParams struct {
+	Source       string
+	Keys         string
+	Fingerprints *string
+	TtlMs        *int64
+	LeaseMs      *int64
+	EventTypes   *string
+	LockWaitMs   *int64
+}
+
+type ClaimBatchRow struct {
+	Ord              int32
+	Outcome          string
+	Token            int64
+	Attempt          int32
+	LeaseExpiresAt   pgtype.Timestamptz
+	Result           []byte
+	Error            string
+	FirstSeen        pgtype.Timestamptz
+	ExpiresAt        pgtype.Timestamptz
+	LeaseRemainingMs int64
+}
+
+// idem.claim_batch (migration 18): one row per key, ord its position in
+// keys. The arrays travel as PostgreSQL array literals in text, which every
+// driver passes as it is (database/sql has no array type).
+func (q *Queries) ClaimBatch(ctx context.Context, arg ClaimBatchParams) ([]ClaimBatchRow, error) {
+	rows, err := q.db.Query(ctx, claimBatch,
+		arg.Source,
+		arg.Keys,
+		arg.Fingerprints,
+		arg.TtlMs,
+		arg.LeaseMs,
+		arg.EventTypes,
+		arg.LockWaitMs,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []ClaimBatchRow
+	for rows.Next() {
+		var i ClaimBatchRow
+		if err := rows.Scan(
+			&i.Ord,
+			&i.Outcome,
+			&i.Token,
+			&i.Attempt,
+			&i.LeaseExpiresAt,
+			&i.Result,
+			&i.Error,
+			&i.FirstSeen,
+			&i.ExpiresAt,
+			&i.LeaseRemainingMs,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const complete = `-- name: Complete :one
 SELECT idem.complete($1::text, $2::text, $3::bigint,
                      $4::text::jsonb)::text AS outcome
@@ -138,6 +224,54 @@ func (q *Queries) Complete(ctx context.Context, arg CompleteParams) (string, err
 	var outcome string
 	err := row.Scan(&outcome)
 	return outcome, err
+}
+
+const completeBatch = `-- name: CompleteBatch :many
+SELECT c.ord::integer AS ord,
+       c.outcome::text AS outcome,
+       coalesce(c.stored, '')::text AS stored
+  FROM idem.complete_batch($1::text, $2::text::text[],
+                           $3::text::bigint[], $4::text::jsonb[]) AS c
+`
+
+type CompleteBatchParams struct {
+	Source  string
+	Keys    string
+	Tokens  string
+	Results string
+}
+
+type CompleteBatchRow struct {
+	Ord     int32
+	Outcome string
+	Stored  string
+}
+
+// idem.complete_batch: per item its outcome and the result as stored
+// (jsonb's text form), ord its position.
+func (q *Queries) CompleteBatch(ctx context.Context, arg CompleteBatchParams) ([]CompleteBatchRow, error) {
+	rows, err := q.db.Query(ctx, completeBatch,
+		arg.Source,
+		arg.Keys,
+		arg.Tokens,
+		arg.Results,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []CompleteBatchRow
+	for rows.Next() {
+		var i CompleteBatchRow
+		if err := rows.Scan(&i.Ord, &i.Outcome, &i.Stored); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
 }
 
 const completeStored = `-- name: CompleteStored :one
@@ -268,6 +402,53 @@ func (q *Queries) Fail(ctx context.Context, arg FailParams) (string, error) {
 	var outcome string
 	err := row.Scan(&outcome)
 	return outcome, err
+}
+
+const failBatch = `-- name: FailBatch :many
+SELECT f.ord::integer AS ord,
+       f.outcome::text AS outcome
+  FROM idem.fail_batch($1::text, $2::text::text[],
+                       $3::text::bigint[], $4::text::text[],
+                       $5::text::boolean[]) AS f
+`
+
+type FailBatchParams struct {
+	Source    string
+	Keys      string
+	Tokens    string
+	Errors    string
+	Retryable string
+}
+
+type FailBatchRow struct {
+	Ord     int32
+	Outcome string
+}
+
+func (q *Queries) FailBatch(ctx context.Context, arg FailBatchParams) ([]FailBatchRow, error) {
+	rows, err := q.db.Query(ctx, failBatch,
+		arg.Source,
+		arg.Keys,
+		arg.Tokens,
+		arg.Errors,
+		arg.Retryable,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []FailBatchRow
+	for rows.Next() {
+		var i FailBatchRow
+		if err := rows.Scan(&i.Ord, &i.Outcome); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
 }
 
 const missingFunctions = `-- name: MissingFunctions :one

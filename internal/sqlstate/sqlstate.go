@@ -29,6 +29,9 @@ const (
 	// NotDelegated: on Citus, idem.claim ran on a node that does not hold
 	// its key's shard (migration 11).
 	NotDelegated = "ID005"
+	// Distributed: refused on a distributed (Citus) installation
+	// (idem.release, migration 13; idem.claim_batch, migration 18).
+	Distributed = "ID006"
 	// NotIdemsPartition: a table has a month's partition name but idem did
 	// not make it (idem.make_month, migration 14).
 	NotIdemsPartition = "ID007"
@@ -36,6 +39,9 @@ const (
 	// the maintainer's rights (idem.grant_app, idem.grant_maintainer,
 	// migration 14).
 	RoleConflict = "ID008"
+	// BatchTooLarge: a batch of more keys than idem's batch calls take
+	// (idem.claim_batch, idem.complete_batch, idem.fail_batch; migration 18).
+	BatchTooLarge = "ID009"
 )
 
 // PostgreSQL's conditions that idem's functions also raise, with the

@@ -96,3 +96,42 @@ SELECT idem.distributed()::boolean AS distributed;
 SELECT coalesce(string_agg(f.sig, '; '), '')::text AS missing
   FROM unnest(string_to_array(sqlc.arg(functions)::text, ';')) AS f(sig)
  WHERE to_regprocedure(f.sig) IS NULL;
+
+-- name: ClaimBatch :many
+-- idem.claim_batch (migration 18): one row per key, ord its position in
+-- keys. The arrays travel as PostgreSQL array literals in text, which every
+-- driver passes as it is (database/sql has no array type).
+SELECT c.ord::integer              AS ord,
+       c.outcome::text             AS outcome,
+       coalesce(c.token, 0)::bigint AS token,
+       coalesce(c.attempt, 0)::integer AS attempt,
+       c.lease_expires_at::timestamptz AS lease_expires_at,
+       c.result::jsonb             AS result,
+       coalesce(c.error, '')::text AS error,
+       c.first_seen::timestamptz   AS first_seen,
+       c.expires_at::timestamptz   AS expires_at,
+       coalesce(floor(pg_catalog.date_part('epoch', c.lease_remaining) * 1000::double precision), 0)::bigint AS lease_remaining_ms
+  FROM idem.claim_batch(
+         sqlc.arg(source)::text,
+         sqlc.arg(keys)::text::text[],
+         sqlc.narg(fingerprints)::text::text[],
+         sqlc.narg(ttl_ms)::bigint * interval '1 millisecond',
+         sqlc.narg(lease_ms)::bigint * interval '1 millisecond',
+         sqlc.narg(event_types)::text::text[],
+         sqlc.narg(lock_wait_ms)::bigint * interval '1 millisecond') AS c;
+
+-- name: CompleteBatch :many
+-- idem.complete_batch: per item its outcome and the result as stored
+-- (jsonb's text form), ord its position.
+SELECT c.ord::integer AS ord,
+       c.outcome::text AS outcome,
+       coalesce(c.stored, '')::text AS stored
+  FROM idem.complete_batch(sqlc.arg(source)::text, sqlc.arg(keys)::text::text[],
+                           sqlc.arg(tokens)::text::bigint[], sqlc.arg(results)::text::jsonb[]) AS c;
+
+-- name: FailBatch :many
+SELECT f.ord::integer AS ord,
+       f.outcome::text AS outcome
+  FROM idem.fail_batch(sqlc.arg(source)::text, sqlc.arg(keys)::text::text[],
+                       sqlc.arg(tokens)::text::bigint[], sqlc.arg(errors)::text::text[],
+                       sqlc.arg(retryable)::text::boolean[]) AS f;

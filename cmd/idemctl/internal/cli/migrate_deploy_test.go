@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io/fs"
 	"os"
 	"os/exec"
 	"strings"
@@ -16,6 +17,7 @@ import (
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/testdb"
 	"github.com/idemkit/idem/migrate"
+	"github.com/idemkit/idem/sql/migrations"
 )
 
 // TestMigrateUpRacingThroughPgBouncer: two idemctl migrate up processes at
@@ -65,8 +67,20 @@ func TestMigrateUpRacingThroughPgBouncer(t *testing.T) {
 		river += strings.Count(r.out, "applied River migrations")
 		t.Logf("migrate up %d (%v):\n%s", i, r.took.Round(time.Millisecond), r.out)
 	}
-	if applied != int(migrate.Latest()) {
-		t.Errorf("the two processes applied %d of idem's steps, want each of %d once", applied, migrate.Latest())
+	// The versions shipped (their numbers may have gaps: a branch's
+	// migration numbered ahead of another's).
+	shipped := 0
+	entries, err := fs.ReadDir(migrations.FS, ".")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range entries {
+		if strings.HasSuffix(e.Name(), ".sql") {
+			shipped++
+		}
+	}
+	if applied != shipped {
+		t.Errorf("the two processes applied %d of idem's steps, want each of %d once", applied, shipped)
 	}
 	var rows, distinct, riverRows, riverDistinct, locks int
 	if err := direct.QueryRow(ctx, `
@@ -77,8 +91,8 @@ func TestMigrateUpRacingThroughPgBouncer(t *testing.T) {
 		migrate.LockID, inbox.MigrateLockID).Scan(&rows, &distinct, &riverRows, &riverDistinct, &locks); err != nil {
 		t.Fatal(err)
 	}
-	if rows != int(migrate.Latest()) || distinct != rows {
-		t.Errorf("idem's version table: %d rows of %d versions, want %d", rows, distinct, migrate.Latest())
+	if rows != shipped || distinct != rows {
+		t.Errorf("idem's version table: %d rows of %d versions, want %d", rows, distinct, shipped)
 	}
 	if riverRows == 0 || riverDistinct != riverRows || river == 0 {
 		t.Errorf("River's versions: %d rows of %d versions, %d processes said they applied some", riverRows, riverDistinct, river)

@@ -1,0 +1,38 @@
+package main
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/idemkit/idem/internal/pgcluster"
+)
+
+// TestBatchSectionSmoke runs the batch section once, tiny (batches of 10,
+// one client, 50 ms per side, one round, the fsync-off server alone): every
+// path of it works and fills its rows. It measures nothing.
+func TestBatchSectionSmoke(t *testing.T) {
+	t.Chdir("..") // the section reads bench/pgbench/ from the repository root
+	ctx := context.Background()
+	c, err := pgcluster.Start(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Stop()
+	batchSizes = []int{10}
+	o := options{rounds: 1, duration: 50 * time.Millisecond, clients: []int{1}}
+	tab := &v2table{}
+	if err := benchBatchOn(ctx, server{"smoke", c.URL("postgres"), c.BinDir}, o, tab); err != nil {
+		t.Fatal(err)
+	}
+	var b strings.Builder
+	tab.servers = []string{"smoke"}
+	tab.write(&b)
+	for _, want := range []string{"SQL: idem.claim_batch vs raw", "vs idem.claim, per key", "hand-written batch pattern: duplicates, in the caller's transaction",
+		"per-message pattern: new keys, autocommit", "DoBatch vs Do per key"} {
+		if !strings.Contains(b.String(), want) {
+			t.Errorf("no row %q in\n%s", want, b.String())
+		}
+	}
+}
