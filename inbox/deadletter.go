@@ -237,6 +237,7 @@ func (in *Inbox) Replay(ctx context.Context, f Filter) ([]ReplayResult, error) {
 			if j.MaxAttempts < 1 { // accepted by an earlier version: its job's
 				j.MaxAttempts = row.MaxAttempts
 			}
+			j.Trace = jobTrace(row.Metadata) // the replay links to the request that accepted the event
 		case errorsIsNotFound(err):
 			// Gone since it was listed: replayed meanwhile, or lost.
 			still, err := in.stillDead(ctx, d.Source, d.Key, d.JobID, d.token)
