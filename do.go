@@ -63,6 +63,21 @@ type Result struct {
 // there is no heartbeat, since the transaction itself keeps duplicates
 // waiting (up to the claim's lock wait).
 func (c *Client) Do(ctx context.Context, source, key string, fn func(ctx context.Context) (any, error), opts ...ClaimOption) (*Result, error) {
+	if c.tr == nil {
+		return c.do(ctx, source, key, fn, opts)
+	}
+	ctx, start := c.traceStart(ctx, TraceStartData{Op: OpDo, Source: source, Key: key})
+	res, err := c.do(ctx, source, key, fn, opts)
+	end := TraceEndData{Op: OpDo, Source: source, Key: key, Err: err}
+	if res != nil {
+		end.Claim, end.Replayed = res.Claim, res.Replayed
+	}
+	c.traceEnd(ctx, start, end)
+	return res, err
+}
+
+// do is Do, untraced (Effect traces it as its own operation).
+func (c *Client) do(ctx context.Context, source, key string, fn func(ctx context.Context) (any, error), opts []ClaimOption) (*Result, error) {
 	sent := time.Now() // the lease starts no earlier than this, by our clock
 	cl, err := c.Claim(ctx, source, key, opts...)
 	if err != nil {
@@ -91,7 +106,7 @@ func (c *Client) Do(ctx context.Context, source, key string, fn func(ctx context
 	workCtx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	stop := c.heartbeat(workCtx, cancel, cl, sent)
-	value, runErr := run(WithEvent(workCtx, cl), fn)
+	value, runErr := c.run(WithEvent(workCtx, cl), fn)
 	stop()
 	if runErr != nil && errors.Is(context.Cause(workCtx), ErrLeaseLost) {
 		runErr = leaseLost(runErr)
@@ -195,8 +210,14 @@ func (c *Client) record(ctx context.Context, source, key string, call func(ctx c
 	}
 }
 
-// run calls fn, turning a panic into a *PanicError.
-func run(ctx context.Context, fn func(ctx context.Context) (any, error)) (v any, err error) {
+// run calls fn (traced as OpWork), turning a panic into a *PanicError.
+func (c *Client) run(ctx context.Context, fn func(ctx context.Context) (any, error)) (v any, err error) {
+	if c.tr != nil {
+		cl, _ := EventFrom(ctx)
+		var start time.Time
+		ctx, start = c.traceStart(ctx, TraceStartData{Op: OpWork, Source: cl.Source, Key: cl.Key, Name: "work"})
+		defer func() { c.traceEnd(ctx, start, TraceEndData{Op: OpWork, Source: cl.Source, Key: cl.Key, Err: err}) }()
+	}
 	defer func() {
 		if p := recover(); p != nil {
 			v, err = nil, &PanicError{Value: p, Stack: debug.Stack()}

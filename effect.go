@@ -223,13 +223,21 @@ func (c *Client) Effect(ctx context.Context, name string, fn func(ctx context.Co
 		}
 		return v, err
 	}
-	res, err := c.Do(ctx, source, key, work, copts...)
+	ctx, start := c.traceStart(ctx, TraceStartData{Op: OpEffect, Source: ev.Source, Key: ev.Key, Name: name})
+	res, err := c.do(ctx, source, key, work, copts)
 	if a.lease == 0 && ttl > 0 && leaseOverTTL(err) {
 		// The effects' policy lease is longer than the event's retention,
 		// which the effect takes (an event with a TTL of a minute, the
 		// default lease of two): the claim refused the pair before
 		// anything ran. The effect's lease is its retention instead.
-		res, err = c.Do(ctx, source, key, work, append(copts, WithLease(ttl))...)
+		res, err = c.do(ctx, source, key, work, append(copts, WithLease(ttl)))
+	}
+	if c.tr != nil {
+		end := TraceEndData{Op: OpEffect, Source: ev.Source, Key: ev.Key, Name: name, Err: err}
+		if res != nil {
+			end.Claim, end.Replayed = res.Claim, res.Replayed
+		}
+		c.traceEnd(ctx, start, end)
 	}
 	if err != nil {
 		var f *FailedError

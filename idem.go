@@ -111,8 +111,15 @@ type Config struct {
 	// faster per claim. Set pgx.QueryExecModeExec to start in exec mode.
 	QueryExecMode pgx.QueryExecMode
 	// Observer is told the source, outcome (or error) and duration of
-	// every claim, for metrics (package idemprom). Default: none.
+	// every claim, for metrics (package idemprom); it is reported through
+	// the same seam as Tracer. Default: none.
 	Observer Observer
+	// Tracer is told when each operation starts and ends (claims, Do, its
+	// work, effects, recording, waits, cache answers, and the operations
+	// of idemhttp and the inbox over this client), for tracing and metrics
+	// (package idemotel: OpenTelemetry). Clients derived by WithTx and
+	// WithSQLTx share it. Default: none.
+	Tracer Tracer
 	// Cache, when set, keeps completed outcomes in this process (a bounded
 	// LRU, CacheConfig), so that a repeat duplicate is answered without a
 	// round trip. It serves only Completed answers, for the fingerprint
@@ -189,6 +196,7 @@ type Client struct {
 	cache  *cache         // Config.Cache, on a pool client and the clients WithTx derives
 	inTx   bool           // derived by WithTx: reads the cache, puts only what another transaction committed
 	schema *schemaState   // shared with the clients WithTx derives
+	tr     Tracer         // Config.Tracer with Config.Observer (newTracer); nil when neither
 }
 
 // New returns a Client over a pgx pool, connection or transaction. It
@@ -207,7 +215,7 @@ func New(db PgxExecutor, cfg *Config) (*Client, error) {
 		return nil, err
 	}
 	mode := &execMode{fixed: c.QueryExecMode, log: c.Logger}
-	cl := &Client{d: newPgxDriver(db, mode), cfg: c, mode: mode, wait: lockWait(c.LockWait), schema: &schemaState{}}
+	cl := &Client{d: newPgxDriver(db, mode), cfg: c, mode: mode, wait: lockWait(c.LockWait), schema: &schemaState{}, tr: newTracer(c)}
 	pool, ok := db.(*pgxpool.Pool)
 	switch {
 	case ok && c.Cache != nil:
@@ -238,7 +246,7 @@ func NewSQL(db SQLExecutor, cfg *Config) (*Client, error) {
 		return nil, fmt.Errorf("%w: Cache needs a client over a *pgxpool.Pool (New): it listens for releases, which database/sql cannot", ErrInvalidConfig)
 	}
 	mode := sqlExecMode(db, c.QueryExecMode, c.Logger)
-	return &Client{d: newSQLDriver(db, mode), cfg: c, mode: mode, wait: lockWait(c.LockWait), schema: &schemaState{}}, nil
+	return &Client{d: newSQLDriver(db, mode), cfg: c, mode: mode, wait: lockWait(c.LockWait), schema: &schemaState{}, tr: newTracer(c)}, nil
 }
 
 // isNil: v is nil, or an interface holding a nil pointer.
@@ -311,7 +319,7 @@ func (c *Client) WithTx(tx pgx.Tx) *Client {
 		mode = &execMode{fixed: c.cfg.QueryExecMode, log: c.cfg.Logger}
 	}
 	return &Client{d: newPgxDriver(tx, mode), cfg: c.cfg, mode: mode, wait: c.wait,
-		hub: c.hub, cache: c.cache, inTx: true, schema: c.schema}
+		hub: c.hub, cache: c.cache, inTx: true, schema: c.schema, tr: c.tr}
 }
 
 // WithSQLTx is WithTx for database/sql. A client of pgx's stdlib driver
@@ -322,7 +330,7 @@ func (c *Client) WithSQLTx(tx *sql.Tx) *Client {
 	if _, sqlClient := c.d.(sqlDriver); sqlClient {
 		mode = c.mode
 	}
-	return &Client{d: newSQLDriver(tx, mode), cfg: c.cfg, mode: mode, wait: c.wait, schema: c.schema}
+	return &Client{d: newSQLDriver(tx, mode), cfg: c.cfg, mode: mode, wait: c.wait, schema: c.schema, tr: c.tr}
 }
 
 // ClaimOption adjusts one claim.
@@ -348,16 +356,12 @@ func WithEventType(t string) ClaimOption { return func(a *claimArgs) { a.eventTy
 
 // Claim asks to own the work for (source, key).
 func (c *Client) Claim(ctx context.Context, source, key string, opts ...ClaimOption) (*Claim, error) {
-	if c.cfg.Observer == nil {
+	if c.tr == nil {
 		return c.claim(ctx, source, key, opts)
 	}
-	start := time.Now()
+	ctx, start := c.traceStart(ctx, TraceStartData{Op: OpClaim, Source: source, Key: key})
 	cl, err := c.claim(ctx, source, key, opts)
-	o := ClaimObservation{Source: source, Err: err, Duration: time.Since(start)}
-	if cl != nil {
-		o.Outcome = cl.Outcome
-	}
-	c.cfg.Observer.ObserveClaim(o)
+	c.traceEnd(ctx, start, TraceEndData{Op: OpClaim, Source: source, Key: key, Claim: cl, Err: err})
 	return cl, err
 }
 
@@ -379,6 +383,10 @@ func (c *Client) claim(ctx context.Context, source, key string, opts []ClaimOpti
 	cached := c.cache != nil && c.hub.fresh()
 	if cached {
 		if cl, ok := c.cache.get(source, key, a.fingerprint); ok {
+			if c.tr != nil {
+				cctx, start := c.traceStart(ctx, TraceStartData{Op: OpCache, Source: source, Key: key})
+				c.traceEnd(cctx, start, TraceEndData{Op: OpCache, Source: source, Key: key, Claim: cl})
+			}
 			return cl, nil
 		}
 		gen = c.cache.generation()
@@ -406,7 +414,10 @@ func (c *Client) claim(ctx context.Context, source, key string, opts []ClaimOpti
 		}
 	}
 	if cl.Outcome == InProgress && a.wait > 0 {
-		if cl, err = c.waitFor(ctx, a, cl); err != nil {
+		wctx, start := c.traceStart(ctx, TraceStartData{Op: OpWait, Source: source, Key: key})
+		cl, err = c.waitFor(wctx, a, cl)
+		c.traceEnd(wctx, start, TraceEndData{Op: OpWait, Source: source, Key: key, Claim: cl, Err: err})
+		if err != nil {
 			return nil, err
 		}
 	}
@@ -423,6 +434,16 @@ func (c *Client) Complete(ctx context.Context, source, key string, token int64, 
 
 // complete is Complete; with echo it returns the result as stored.
 func (c *Client) complete(ctx context.Context, source, key string, token int64, result json.RawMessage, echo bool) (json.RawMessage, error) {
+	if c.tr == nil {
+		return c.completeUntraced(ctx, source, key, token, result, echo)
+	}
+	ctx, start := c.traceStart(ctx, TraceStartData{Op: OpComplete, Source: source, Key: key})
+	stored, err := c.completeUntraced(ctx, source, key, token, result, echo)
+	c.traceEnd(ctx, start, TraceEndData{Op: OpComplete, Source: source, Key: key, Err: err})
+	return stored, err
+}
+
+func (c *Client) completeUntraced(ctx context.Context, source, key string, token int64, result json.RawMessage, echo bool) (json.RawMessage, error) {
 	if err := c.check("complete", source, key); err != nil {
 		return nil, err
 	}
@@ -457,10 +478,12 @@ func (c *Client) complete(ctx context.Context, source, key string, token int64, 
 // the work ran, but its result cannot be stored (too large, not JSON, a NUL
 // character). Later claims answer Completed with no Result and Claim.Error
 // giving reason, instead of running the work again. Do calls it by itself.
-func (c *Client) CompleteUnstored(ctx context.Context, source, key string, token int64, reason string) error {
+func (c *Client) CompleteUnstored(ctx context.Context, source, key string, token int64, reason string) (err error) {
 	if err := c.check("complete", source, key); err != nil {
 		return err
 	}
+	ctx, start := c.traceStart(ctx, TraceStartData{Op: OpComplete, Source: source, Key: key})
+	defer func() { c.traceEnd(ctx, start, TraceEndData{Op: OpComplete, Source: source, Key: key, Err: err}) }()
 	out, err := c.d.completeUnstored(ctx, source, key, token, StorableText(reason))
 	if err != nil {
 		return convert("complete", source, key, err)
@@ -471,10 +494,12 @@ func (c *Client) CompleteUnstored(ctx context.Context, source, key string, token
 // Fail records a failure of the work owned by token. A retryable failure
 // lets the next claim re-acquire the key; a permanent one answers Failed
 // until the key expires.
-func (c *Client) Fail(ctx context.Context, source, key string, token int64, msg string, retryable bool) error {
+func (c *Client) Fail(ctx context.Context, source, key string, token int64, msg string, retryable bool) (err error) {
 	if err := c.check("fail", source, key); err != nil {
 		return err
 	}
+	ctx, start := c.traceStart(ctx, TraceStartData{Op: OpFail, Source: source, Key: key})
+	defer func() { c.traceEnd(ctx, start, TraceEndData{Op: OpFail, Source: source, Key: key, Err: err}) }()
 	out, err := c.d.fail(ctx, source, key, token, StorableText(msg), retryable)
 	if err != nil {
 		return convert("fail", source, key, err)

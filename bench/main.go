@@ -54,7 +54,7 @@ func main() {
 	flag.IntVar(&o.rounds, "rounds", 0, "interleaved rounds per comparison (default 3, full 5)")
 	flag.DurationVar(&o.duration, "duration", 0, "length of one side of one round (default 2s, full 5s)")
 	flag.StringVar(&o.out, "out", "bench/results.md", "write the markdown table here too")
-	flag.StringVar(&o.only, "only", "", "run only the sections whose name contains this (claim, dup, complete, lib, maint, retention, scale, inbox, wait, cache, adopt, plans, dashboard, e2e, batch)")
+	flag.StringVar(&o.only, "only", "", "run only the sections whose name contains this (claim, dup, complete, lib, maint, retention, scale, inbox, wait, cache, otel, adopt, plans, dashboard, e2e, batch)")
 	flag.Parse()
 	o.defaults()
 
@@ -171,6 +171,7 @@ func run(ctx context.Context, o options) error {
 		{"inbox", benchInbox},
 		{"wait", benchWait},
 		{"cache", benchCache},
+		{"otel", benchOTel},
 		{"adopt", benchAdopt},
 		{"plans", benchPlans},
 		{"dashboard", benchDashboard},

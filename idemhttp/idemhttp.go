@@ -210,6 +210,7 @@ type Replay struct {
 // Config.OnReplay.
 func (m *middleware) replayed(w http.ResponseWriter, r *http.Request, key string, status int, why string) {
 	w.Header().Set(ReplayedHeader, "true")
+	m.decided(r, key, DecisionReplayed, why)
 	if m.cfg.OnReplay != nil {
 		m.cfg.OnReplay(r, w.Header(), Replay{Source: m.cfg.Source, Key: key, Status: status, Why: why})
 	}
@@ -329,6 +330,7 @@ func (e errRetry) Error() string { return fmt.Sprintf("handler answered %d", e.s
 
 func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	a := m.serve(w, r)
+	m.decided(r, "", DecisionAnswered, string(a))
 	if m.cfg.Observer != nil {
 		m.cfg.Observer.ObserveAnswer(m.cfg.Source, a)
 	}
@@ -365,15 +367,17 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 	r.Body = io.NopCloser(newReader(body))
 	if m.cfg.Verify != nil {
 		if err := m.cfg.Verify(r, body); err != nil {
-			status, title := http.StatusUnauthorized, "Signature verification failed"
+			status, title, why := http.StatusUnauthorized, "Signature verification failed", RefusedSignatureInvalid
 			if errors.Is(err, ErrSignatureMissing) {
-				status, title = http.StatusBadRequest, "Signature missing or malformed"
+				status, title, why = http.StatusBadRequest, "Signature missing or malformed", RefusedSignatureMissing
 			}
+			m.decided(r, "", DecisionRefused, why)
 			m.cfg.Logger.LogAttrs(r.Context(), slog.LevelWarn, "idemhttp: delivery refused before any claim",
 				slog.String("source", m.cfg.Source), slog.Any("error", err))
 			problem(w, status, title, err.Error(), nil)
 			return AnswerRefused
 		}
+		m.decided(r, "", DecisionVerified, "")
 	}
 	key, eventType, err := m.cfg.Key(r, body)
 	if err != nil {

@@ -141,8 +141,24 @@ func (in *Inbox) claimOptions(fingerprint, eventType string, ttl time.Duration) 
 // for it; a dead letter of the same key that the hold replaces (the event
 // accepted again, or replayed) is removed, in tx. Accept and Replay both
 // come here.
-func (in *Inbox) enqueue(ctx context.Context, tx pgx.Tx, cl *idem.Claim, j Job) (int64, error) {
+//
+// The insert is reported to the client's tracer (idem.OpEnqueue): the
+// trace context it writes goes with the job (Job.Trace), unless the job
+// already carries the one of the request that first accepted its event
+// (a replay).
+func (in *Inbox) enqueue(ctx context.Context, tx pgx.Tx, cl *idem.Claim, j Job) (id int64, err error) {
 	j.Token, j.FirstSeen, j.ExpiresAt = cl.Token, cl.FirstSeen, cl.ExpiresAt
+	if tr := in.idem.Tracer(); tr != nil {
+		carrier := map[string]string{}
+		ctx = tr.TraceStart(ctx, idem.TraceStartData{Op: idem.OpEnqueue, Source: j.Source, Key: j.Key, Carrier: carrier, Queue: in.cfg.Queue})
+		start := time.Now()
+		defer func() {
+			tr.TraceEnd(ctx, idem.TraceEndData{Op: idem.OpEnqueue, Source: j.Source, Key: j.Key, JobID: id, Err: err, Duration: time.Since(start)})
+		}()
+		if j.Trace == nil && len(carrier) > 0 {
+			j.Trace = carrier
+		}
+	}
 	res, err := in.insert.InsertTx(ctx, tx, j, in.insertOpts(j))
 	if err != nil {
 		return 0, fmt.Errorf("inbox: enqueue %q/%q: %w", j.Source, j.Key, err)
@@ -167,8 +183,14 @@ func (in *Inbox) enqueue(ctx context.Context, tx pgx.Tx, cl *idem.Claim, j Job) 
 func (in *Inbox) insertOpts(j Job) *river.InsertOpts {
 	// The event type and acceptance time are in the metadata too, so that
 	// listing dead letters never reads the args, which hold the payload.
-	meta, _ := json.Marshal(map[string]string{"idem_source": j.Source, "idem_key": j.Key,
-		"idem_event_type": j.EventType, "idem_accepted_at": j.AcceptedAt.UTC().Format(time.RFC3339Nano)})
+	// The trace context (Job.Trace) goes there, not in the args, whose
+	// headers are the delivery's own.
+	m := map[string]any{"idem_source": j.Source, "idem_key": j.Key,
+		"idem_event_type": j.EventType, "idem_accepted_at": j.AcceptedAt.UTC().Format(time.RFC3339Nano)}
+	if len(j.Trace) > 0 {
+		m["idem_trace"] = j.Trace
+	}
+	meta, _ := json.Marshal(m)
 	n := j.MaxAttempts
 	if n < 1 {
 		n = in.maxAttempts(j.Source)

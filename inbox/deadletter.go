@@ -245,6 +245,7 @@ func (in *Inbox) Replay(ctx context.Context, f Filter) ([]ReplayResult, error) {
 			if j.MaxAttempts < 1 { // accepted by an earlier version: its job's
 				j.MaxAttempts = row.MaxAttempts
 			}
+			j.Trace = jobTrace(row.Metadata) // the replay links to the request that accepted the event
 		case errorsIsNotFound(err):
 			// Gone: the payload kept on the hold, if it is still this
 			// job's dead letter; else replayed meanwhile.

@@ -43,6 +43,11 @@ type Job struct {
 	Target  string `json:"target,omitempty"`
 	Host    string `json:"host,omitempty"`
 	Pattern string `json:"pattern,omitempty"`
+	// Trace is the trace context of the request that accepted the event,
+	// as the client's tracer wrote it (idem.OpEnqueue's Carrier). It is
+	// kept in the job's River metadata (idem_trace), not its arguments:
+	// a retry, a restart and a replay hand it to the worker's tracer.
+	Trace map[string]string `json:"-"`
 }
 
 // Kind implements river.JobArgs.
@@ -84,9 +89,48 @@ func (in *Inbox) lease(j Job) time.Duration {
 }
 
 // Work takes the key for this attempt, runs the handler, and completes
-// the key, releases its hold and completes the job in one transaction.
+// the key, releases its hold and completes the job in one transaction. It
+// is reported to the client's tracer as idem.OpProcess, with the trace
+// context the job was accepted under.
 func (w *worker) Work(ctx context.Context, job *river.Job[Job]) error {
+	tr := w.in.idem.Tracer()
+	if tr == nil {
+		return w.work(ctx, job, new(string))
+	}
+	a := job.Args
+	ctx = tr.TraceStart(ctx, idem.TraceStartData{Op: idem.OpProcess, Source: a.Source, Key: a.Key,
+		Carrier: jobTrace(job.Metadata), Queue: job.Queue, JobID: job.ID, Attempt: job.Attempt, AcceptedAt: a.AcceptedAt})
+	start := time.Now()
+	var outcome string
+	err := w.work(ctx, job, &outcome)
+	tr.TraceEnd(ctx, idem.TraceEndData{Op: idem.OpProcess, Source: a.Source, Key: a.Key, JobID: job.ID,
+		Detail: outcome, Err: err, Duration: time.Since(start)})
+	return err
+}
+
+// Outcomes of an attempt (idem.OpProcess's TraceEndData.Detail).
+const (
+	ProcessProcessed    = "processed"     // the handler ran and the event is completed
+	ProcessSkipped      = "skipped"       // nothing to do: processed before, or another job holds the event
+	ProcessRetried      = "retried"       // the handler failed; River retries the job
+	ProcessDeadLettered = "dead_lettered" // failed for good, or out of attempts: a dead letter
+)
+
+// jobTrace reads the trace context a job was accepted with from its River
+// metadata (nil when it has none).
+func jobTrace(metadata []byte) map[string]string {
+	var m struct {
+		Trace map[string]string `json:"idem_trace"`
+	}
+	if len(metadata) == 0 || json.Unmarshal(metadata, &m) != nil {
+		return nil
+	}
+	return m.Trace
+}
+
+func (w *worker) work(ctx context.Context, job *river.Job[Job], outcome *string) error {
 	in, a := w.in, job.Args
+	*outcome = ProcessRetried
 	log := in.cfg.Logger.With(slog.String("source", a.Source), slog.String("key", a.Key), slog.Int64("job", job.ID), slog.Int("attempt", job.Attempt))
 
 	if err := in.refuseCitus(ctx, in.cfg.Pool); err != nil {
@@ -102,15 +146,19 @@ func (w *worker) Work(ctx context.Context, job *river.Job[Job]) error {
 	switch tk.Outcome {
 	case "taken":
 	case "done":
+		*outcome = ProcessSkipped
 		log.LogAttrs(ctx, slog.LevelInfo, "inbox: the event is already processed; nothing to do")
 		return nil
 	case "superseded":
+		*outcome = ProcessSkipped
 		log.LogAttrs(ctx, slog.LevelInfo, "inbox: another job holds the event now (a replay, or a redelivery after a dead letter); nothing to do")
 		return nil
 	case "gone":
+		*outcome = ProcessDeadLettered
 		log.LogAttrs(ctx, slog.LevelError, "inbox: dead-lettered: the event's key is gone", slog.String("reason", tk.Error))
 		return river.JobCancel(fmt.Errorf("%w: %s", ErrKeyGone, tk.Error))
 	case "failed":
+		*outcome = ProcessDeadLettered
 		log.LogAttrs(ctx, slog.LevelError, "inbox: dead-lettered: the event's key failed for good", slog.String("reason", tk.Error))
 		return river.JobCancel(fmt.Errorf("inbox: the event's key failed for good: %s", tk.Error))
 	default:
@@ -128,9 +176,11 @@ func (w *worker) Work(ctx context.Context, job *river.Job[Job]) error {
 	lost := errors.Is(context.Cause(hctx), idem.ErrLeaseLost) || errors.Is(herr, idem.ErrLeaseLost)
 	release()
 	if herr == nil {
+		*outcome = ProcessProcessed
 		return nil
 	}
 	if lost {
+		*outcome = ProcessSkipped
 		// Another attempt of this job took the key (River rescued the job
 		// while this one ran): this attempt's writes rolled back, and that
 		// attempt finishes the event.
@@ -162,9 +212,11 @@ func (w *worker) Work(ctx context.Context, job *river.Job[Job]) error {
 			return fmt.Errorf("%w (and recording it failed: %w)", herr, err)
 		}
 	case out == "dead":
+		*outcome = ProcessDeadLettered
 		log.LogAttrs(ctx, slog.LevelWarn, "inbox: dead-lettered", slog.Any("error", herr))
 		in.keepPayload(rctx, log, a, job.EncodedArgs)
 	case out != "failed":
+		*outcome = ProcessSkipped
 		log.LogAttrs(ctx, slog.LevelWarn, "inbox: another attempt of this job took the key", slog.String("outcome", out))
 		return nil
 	}
