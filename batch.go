@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"strings"
-	"time"
 )
 
 // MaxBatch is the most items ClaimBatch, DoBatch, CompleteBatch and
@@ -55,18 +54,16 @@ type BatchItem struct {
 // go to the database. Config.Observer is told each item's claim, with
 // ClaimObservation.Batch set.
 func (c *Client) ClaimBatch(ctx context.Context, source string, items []BatchItem, opts ...ClaimOption) ([]*Claim, error) {
-	start := time.Now()
-	cls, err := c.claimBatch(ctx, source, items, opts)
-	if c.cfg.Observer != nil {
-		d := time.Since(start)
-		for i := range items {
-			o := ClaimObservation{Source: source, Err: err, Duration: d, Batch: len(items)}
-			if err == nil {
-				o.Outcome = cls[i].Outcome
-			}
-			c.cfg.Observer.ObserveClaim(o)
-		}
+	if c.tr == nil {
+		return c.claimBatch(ctx, source, items, opts)
 	}
+	ctx, start := c.traceStart(ctx, TraceStartData{Op: OpClaimBatch, Source: source, Batch: len(items)})
+	cls, err := c.claimBatch(ctx, source, items, opts)
+	end := TraceEndData{Op: OpClaimBatch, Source: source, Err: err, Batch: len(items)}
+	if err == nil {
+		end.Claims = cls
+	}
+	c.traceEnd(ctx, start, end)
 	return cls, err
 }
 
@@ -121,6 +118,8 @@ func (c *Client) claimBatch(ctx context.Context, source string, items []BatchIte
 		for i, it := range a.items {
 			if cl, ok := c.cache.get(source, it.Key, it.Fingerprint); ok {
 				out[i] = cl
+				cctx, start := c.traceStart(ctx, TraceStartData{Op: OpCache, Source: source, Key: it.Key})
+				c.traceEnd(cctx, start, TraceEndData{Op: OpCache, Source: source, Key: it.Key, Claim: cl})
 				continue
 			}
 			ask, pos = append(ask, it), append(pos, i)

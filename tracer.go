@@ -39,6 +39,11 @@ const (
 	// idemhttp and the inbox), including its wait (OpWait) and a cache
 	// answer (OpCache).
 	OpClaim Op = "claim"
+	// OpClaimBatch: one batch claim (Client.ClaimBatch, and DoBatch's):
+	// TraceStartData.Batch is its size, TraceEndData.Claims its answers,
+	// item by item (nil when the batch failed). Items answered by the
+	// cache are also reported as OpCache, under its context.
+	OpClaimBatch Op = "claim_batch"
 	// OpWait: a claim that found its key in progress waits for the
 	// original (WithWait); TraceEndData.Claim is the answer after the wait.
 	OpWait Op = "wait"
@@ -85,6 +90,8 @@ type TraceStartData struct {
 	Attempt int
 	// AcceptedAt: when the job's delivery was accepted (OpProcess).
 	AcceptedAt time.Time
+	// Batch: the number of items of an OpClaimBatch.
+	Batch int
 }
 
 // TraceEndData describes how an operation ended.
@@ -96,6 +103,10 @@ type TraceEndData struct {
 	// Claim is the claim's answer (OpClaim, OpWait, OpCache, OpDo), nil
 	// when it failed.
 	Claim *Claim
+	// Claims are an OpClaimBatch's answers, in the items' order (nil when
+	// it failed); Batch is its size.
+	Claims []*Claim
+	Batch  int
 	// Replayed: OpDo and OpEffect answered from a stored result.
 	Replayed bool
 	// Detail: OpDecision's answer or reason, OpProcess's outcome.
@@ -148,6 +159,17 @@ type observerTracer struct{ o Observer }
 func (t observerTracer) TraceStart(ctx context.Context, _ TraceStartData) context.Context { return ctx }
 
 func (t observerTracer) TraceEnd(_ context.Context, d TraceEndData) {
+	if d.Op == OpClaimBatch {
+		// Each item is one claim, with its batch's size.
+		for i := range d.Batch {
+			o := ClaimObservation{Source: d.Source, Err: d.Err, Duration: d.Duration, Batch: d.Batch}
+			if d.Err == nil && i < len(d.Claims) && d.Claims[i] != nil {
+				o.Outcome = d.Claims[i].Outcome
+			}
+			t.o.ObserveClaim(o)
+		}
+		return
+	}
 	if d.Op != OpClaim {
 		return
 	}

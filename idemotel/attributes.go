@@ -10,6 +10,7 @@ const (
 	attrKey          = attribute.Key("idem.key")           // spans (Config.Keys KeyPlain)
 	attrOutcome      = attribute.Key("idem.outcome")       // spans, metrics: the claim's answer
 	attrAttempt      = attribute.Key("idem.attempt")       // spans
+	attrBatch        = attribute.Key("idem.batch.size")    // spans: a batch claim's number of items
 	attrReplayed     = attribute.Key("idem.replayed")      // spans
 	attrCached       = attribute.Key("idem.cached")        // spans: the claim was answered by the cache
 	attrEffect       = attribute.Key("idem.effect.name")   // spans

@@ -164,6 +164,16 @@ func (t *Tracer) TraceEnd(ctx context.Context, d idem.TraceEndData) {
 		return
 	case idem.OpClaim:
 		t.m.claim(ctx, d)
+	case idem.OpClaimBatch:
+		// Each item counts as a claim, with the batch's duration.
+		for i := range d.Batch {
+			item := idem.TraceEndData{Op: idem.OpClaim, Source: d.Source, Err: d.Err, Duration: d.Duration}
+			if i < len(d.Claims) {
+				item.Claim = d.Claims[i]
+			}
+			t.m.claim(ctx, item)
+		}
+		span.SetAttributes(attrBatch.Int(d.Batch))
 	case idem.OpWait:
 		if outer, ok := ctx.Value(outerKey{}).(trace.Span); ok {
 			attrs := []attribute.KeyValue{attrWaitMS.Int64(d.Duration.Milliseconds())}
@@ -316,7 +326,7 @@ func errorKind(err error) (kind, msg string) {
 }
 
 // spanNames are the names of idem's own spans.
-var spanNames = map[idem.Op]string{idem.OpDo: "idem.do", idem.OpClaim: "idem.claim", idem.OpWait: "idem.wait",
+var spanNames = map[idem.Op]string{idem.OpDo: "idem.do", idem.OpClaim: "idem.claim", idem.OpClaimBatch: "idem.claim_batch", idem.OpWait: "idem.wait",
 	idem.OpWork: "idem.work", idem.OpEffect: "idem.effect", idem.OpComplete: "idem.complete", idem.OpFail: "idem.fail"}
 
 // maxText caps a text attribute: idem's own limit on a key.
