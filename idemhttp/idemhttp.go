@@ -176,6 +176,11 @@ type Config struct {
 	// the preset's keys (GitHub, Shopify: the body alone), tried on a
 	// mismatch in synchronous mode.
 	legacyFingerprint FingerprintFunc
+	// handshake answers a verified delivery that is the sender's
+	// handshake, not an event (handshake.go); batch makes every event of a
+	// multi-event delivery its own key (batch.go).
+	handshake handshakeFunc
+	batch     *batchSpec
 }
 
 // Response is what the middleware stores for a key: enough to replay the
@@ -309,6 +314,9 @@ func New(cfg Config) (func(http.Handler) http.Handler, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
+	if cfg.batch != nil && cfg.Async != nil {
+		return nil, fmt.Errorf("idemhttp: the %s preset deduplicates each event of a delivery and runs the handler synchronously; Config.Async is not supported with it", cfg.sender)
+	}
 	if err := claimSource(&cfg); err != nil {
 		return nil, err
 	}
@@ -370,10 +378,16 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 				status, title = http.StatusBadRequest, "Signature missing or malformed"
 			}
 			m.cfg.Logger.LogAttrs(r.Context(), slog.LevelWarn, "idemhttp: delivery refused before any claim",
-				slog.String("source", m.cfg.Source), slog.Any("error", err))
+				append([]slog.Attr{slog.String("source", m.cfg.Source), slog.Any("error", err)}, refusalAttrs(err)...)...)
 			problem(w, status, title, err.Error(), nil)
 			return AnswerRefused
 		}
+	}
+	if m.cfg.handshake != nil && m.cfg.handshake(w, r, body) {
+		return AnswerHandshake
+	}
+	if m.cfg.batch != nil {
+		return m.serveBatch(w, r, body)
 	}
 	key, eventType, err := m.cfg.Key(r, body)
 	if err != nil {
