@@ -17,7 +17,7 @@ import (
 )
 
 // Multi-event deliveries. SendGrid and HubSpot post a JSON array of events
-// in one signed delivery, and retry the whole array when the answer is not
+// in one signed delivery (Adyen an object holding notificationItems), and retry the whole array when the answer is not
 // 2xx: a retry can hold events that ran already next to ones that did not.
 // Their presets claim every event under its own key (the id the sender
 // keeps across retries, inside the signed body), run the handler once with
@@ -38,6 +38,40 @@ type batchSpec struct {
 	// event returns one event's key and type ("" key: the event has none,
 	// and the delivery is refused).
 	event func(raw json.RawMessage) (key, eventType string)
+	// split returns the delivery's events and a function that builds the
+	// body the handler gets from some of them. Default: a JSON array.
+	split func(body []byte) ([]json.RawMessage, func([]json.RawMessage) []byte, error)
+	// ack answers a delivery whose events all ran before. Default: 200
+	// {"duplicate":true}.
+	ack func(w http.ResponseWriter)
+}
+
+// splitArray is the default batchSpec.split: the body is a JSON array of
+// events, and so is the handler's.
+func splitArray(body []byte) ([]json.RawMessage, func([]json.RawMessage) []byte, error) {
+	var raws []json.RawMessage
+	if err := json.Unmarshal(body, &raws); err != nil {
+		return nil, nil, fmt.Errorf("not a JSON array of events: %w", err)
+	}
+	return raws, func(fresh []json.RawMessage) []byte { return joinRaw("[", fresh, "]", "", "") }, nil
+}
+
+// joinRaw writes open, then each event between before and after, comma
+// separated, then close: the events' bytes exactly as delivered (no
+// re-encoding, which would change escapes such as \u0026).
+func joinRaw(open string, events []json.RawMessage, close, before, after string) []byte {
+	var b bytes.Buffer
+	b.WriteString(open)
+	for i, e := range events {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		b.WriteString(before)
+		b.Write(e)
+		b.WriteString(after)
+	}
+	b.WriteString(close)
+	return b.Bytes()
 }
 
 // batchEvent is one event of a delivery.
@@ -52,10 +86,14 @@ type batchEvent struct {
 const batchLeaseMargin = 30 * time.Second
 
 func (m *middleware) serveBatch(w http.ResponseWriter, r *http.Request, body []byte) Answer {
-	var raws []json.RawMessage
-	if err := json.Unmarshal(body, &raws); err != nil {
+	split := m.cfg.batch.split
+	if split == nil {
+		split = splitArray
+	}
+	raws, rebuild, err := split(body)
+	if err != nil {
 		problem(w, http.StatusBadRequest, "Not a batch of events",
-			fmt.Sprintf("The %s delivery's body is not a JSON array of events: %v", m.cfg.sender, err), nil)
+			fmt.Sprintf("The %s delivery's body: %v", m.cfg.sender, err), nil)
 		return AnswerBadRequest
 	}
 	events := make([]batchEvent, 0, len(raws))
@@ -90,8 +128,12 @@ func (m *middleware) serveBatch(w http.ResponseWriter, r *http.Request, body []b
 				map[string]string{"Retry-After": "1"})
 			return AnswerInProgress
 		}
-		w.Header().Set("Content-Type", "application/json")
 		m.replayed(w, r, "", http.StatusOK, ReplayStored)
+		if m.cfg.batch.ack != nil {
+			m.cfg.batch.ack(w)
+			return AnswerReplayed
+		}
+		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(http.StatusOK)
 		_, _ = w.Write([]byte(`{"duplicate":true}` + "\n"))
 		return AnswerReplayed
@@ -101,7 +143,7 @@ func (m *middleware) serveBatch(w http.ResponseWriter, r *http.Request, body []b
 	for i, c := range mine {
 		fresh[i] = c.raw
 	}
-	newBody, _ := json.Marshal(fresh)
+	newBody := rebuild(fresh)
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), m.cfg.HandlerTimeout)
 	defer cancel()
 	rr := r.WithContext(ctx)

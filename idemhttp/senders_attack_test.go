@@ -32,10 +32,10 @@ func TestSenderPresetsRefuseBadKeys(t *testing.T) {
 		"slack": idemhttp.Slack, "zoom": idemhttp.Zoom, "twitch": idemhttp.Twitch, "discord": idemhttp.Discord,
 		"paddle": idemhttp.Paddle, "pagerduty": idemhttp.PagerDuty, "typeform": idemhttp.Typeform, "intercom": idemhttp.Intercom,
 		"woocommerce": idemhttp.WooCommerce, "bitbucket": idemhttp.Bitbucket, "gitlab": idemhttp.GitLab, "linear": idemhttp.Linear,
-		"sendgrid": idemhttp.SendGrid,
-		"twilio":   func(s ...string) idemhttp.Preset { return idemhttp.Twilio(idemhttp.PublicURL{}, s...) },
-		"square":   func(s ...string) idemhttp.Preset { return idemhttp.Square(idemhttp.PublicURL{}, s...) },
-		"hubspot":  func(s ...string) idemhttp.Preset { return idemhttp.HubSpot(idemhttp.PublicURL{}, s...) },
+		"sendgrid": idemhttp.SendGrid, "adyen": idemhttp.Adyen,
+		"twilio":  func(s ...string) idemhttp.Preset { return idemhttp.Twilio(idemhttp.PublicURL{}, s...) },
+		"square":  func(s ...string) idemhttp.Preset { return idemhttp.Square(idemhttp.PublicURL{}, s...) },
+		"hubspot": func(s ...string) idemhttp.Preset { return idemhttp.HubSpot(idemhttp.PublicURL{}, s...) },
 	}
 	for name, p := range presets {
 		bad := []string{"", "  ", "secret\n"}
@@ -44,6 +44,8 @@ func TestSenderPresetsRefuseBadKeys(t *testing.T) {
 			bad = append(bad, "not hex", "abcd")
 		case "sendgrid":
 			bad = append(bad, "not base64!", "AAAA")
+		case "adyen":
+			bad = append(bad, "not hex")
 		}
 		for _, s := range bad {
 			for _, list := range [][]string{{s}, {good[name], s}} {

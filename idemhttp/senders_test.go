@@ -30,7 +30,10 @@ type senderCase struct {
 	handshake func(t *testing.T, hs *idemtest.Delivery, body []byte)
 }
 
-const presetSecret = "idemtest genuine secret"
+const (
+	presetSecret = "idemtest genuine secret"
+	adyenKey     = "44782DEF547AAA06C910C43932B1EB0C71FC68D9D0C057550C48EC2ACF6BA056"
+)
 
 var senderCases = []senderCase{
 	{name: "slack", make: func(string) (*idemtest.Sender, idemhttp.Preset) {
@@ -105,6 +108,9 @@ var senderCases = []senderCase{
 	}},
 	{name: "hubspot", make: func(url string) (*idemtest.Sender, idemhttp.Preset) {
 		return idemtest.HubSpot(presetSecret, url), idemhttp.HubSpot(idemhttp.PublicURL{}, presetSecret)
+	}},
+	{name: "adyen", make: func(string) (*idemtest.Sender, idemhttp.Preset) {
+		return idemtest.Adyen(adyenKey), idemhttp.Adyen(adyenKey)
 	}},
 	{name: "sendgrid", make: func(string) (*idemtest.Sender, idemhttp.Preset) {
 		s := idemtest.SendGrid()

@@ -63,6 +63,16 @@ func TestSenderTestVectors(t *testing.T) {
 		t.Fatal(err)
 	}
 
+	// Adyen: the example of Adyen's HMAC guide, which @adyen/api-library
+	// 32.1.0's calculateHmac reproduces (TestSignedByNodeLibraries/adyen).
+	adyenBody := []byte(`{"live":"false","notificationItems":[{"NotificationRequestItem":{"additionalData":{"hmacSignature":"coqCmt/IZ4E3CzPvMY8zTjQVL5hYJUiBRg8UU+iCWo0="},` +
+		`"amount":{"currency":"EUR","value":1130},"eventCode":"AUTHORISATION","merchantAccountCode":"TestMerchant","merchantReference":"TestPayment-1407325143704",` +
+		`"pspReference":"7914073381342284","success":"true"}}]}`)
+	adyen, err := idemhttp.AdyenVerifier("44782DEF547AAA06C910C43932B1EB0C71FC68D9D0C057550C48EC2ACF6BA056")
+	if err != nil {
+		t.Fatal(err)
+	}
+
 	for _, tc := range []struct {
 		name   string
 		verify idemhttp.Verifier
@@ -79,6 +89,7 @@ func TestSenderTestVectors(t *testing.T) {
 		{"pagerduty", pd, vectorRequest(t, "/pd", []byte(pdBody), map[string]string{"X-PagerDuty-Signature": "v1=0c0b9495b893a39e70d1fea2fe11fbe0a825f88b9f67846f6cc07dd2bc5476cd"}), []byte(pdBody)},
 		{"sendgrid", sg, vectorRequest(t, "/sg", sgBody, map[string]string{"X-Twilio-Email-Event-Webhook-Signature": "MEUCIGHQVtGj+Y3LkG9fLcxf3qfI10QysgDWmMOVmxG0u6ZUAiEAyBiXDWzM+uOe5W0JuG+luQAbPIqHh89M15TluLtEZtM=",
 			"X-Twilio-Email-Event-Webhook-Timestamp": "1600112502"}), sgBody},
+		{"adyen", adyen, vectorRequest(t, "/adyen", adyenBody, nil), adyenBody},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			if err := tc.verify(tc.req, tc.body); err != nil {
@@ -86,7 +97,7 @@ func TestSenderTestVectors(t *testing.T) {
 			}
 			// One byte changed: refused.
 			tampered := bytes.Clone(tc.body)
-			i := bytes.IndexByte(tampered, 'e')
+			i := bytes.LastIndexByte(tampered, 'e') // inside the signed part of every vector
 			tampered[i] = 'E'
 			if err := tc.verify(tc.req, tampered); err == nil {
 				t.Fatal("a tampered vector verifies")

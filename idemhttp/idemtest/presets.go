@@ -69,6 +69,15 @@ func (s *Sender) Handshake() *Delivery {
 // Batch returns one signed delivery holding every event of ds, in order
 // (SendGrid, HubSpot: a JSON array of events per request). Its ID is "".
 func (s *Sender) Batch(ds ...*Delivery) *Delivery {
+	if s.join != nil {
+		bodies := make([][]byte, len(ds))
+		for i, d := range ds {
+			bodies[i] = d.Body
+		}
+		b := &Delivery{Sender: s.name, Type: "batch", Body: s.join(bodies), Header: ds[0].Header.Clone()}
+		s.mustSign(b, "")
+		return b
+	}
 	var all []json.RawMessage
 	for _, d := range ds {
 		var evs []json.RawMessage
@@ -561,4 +570,99 @@ func SendGrid() *Sender {
 			return nil
 		},
 		forge: SendGrid}
+}
+
+// Adyen signs standard webhooks as Adyen does: every
+// NotificationRequestItem carries additionalData.hmacSignature, the base64
+// HMAC-SHA256 under the HMAC key (hex) of its pspReference,
+// originalReference, merchantAccountCode, merchantReference, amount,
+// currency, eventCode and success; for idemhttp.Adyen(hmacKey). An Event is
+// a notification of one item (eventCode = the type, a fresh
+// pspReference); Batch joins several.
+func Adyen(hmacKey string) *Sender {
+	key, err := hex.DecodeString(hmacKey)
+	if err != nil {
+		panic("idemtest: the Adyen HMAC key is not hex")
+	}
+	return &Sender{name: "adyen", batch: true, newID: func() string { return strconv.FormatUint(randomUint()%9e15+1e15, 10) },
+		event: func(id, typ string, data json.RawMessage) ([]byte, http.Header) {
+			item := map[string]any{"pspReference": id, "merchantAccountCode": "IdemtestMerchant", "merchantReference": "order-" + randomHex(6),
+				"amount": map[string]any{"value": 1130, "currency": "EUR"}, "eventCode": typ, "success": "true",
+				"eventDate": time.Now().UTC().Format(time.RFC3339), "paymentMethod": "visa", "operations": []string{"CANCEL", "CAPTURE", "REFUND"},
+				"additionalData": map[string]string{"note": string(data)}}
+			return adyenNotification([]json.RawMessage{marshal(item)}), http.Header{"Content-Type": {"application/json"}}
+		},
+		idOf: func(id string, body []byte) string {
+			var it struct{ EventCode, Success string }
+			items := adyenRaw(body)
+			if len(items) != 1 || json.Unmarshal(items[0], &it) != nil {
+				return id
+			}
+			return idem.JoinKey(it.EventCode, id, it.Success)
+		},
+		join: func(bodies [][]byte) []byte {
+			var all []json.RawMessage
+			for _, b := range bodies {
+				all = append(all, adyenRaw(b)...)
+			}
+			return adyenNotification(all)
+		},
+		stamp: func(body []byte, _ time.Time) []byte {
+			items := adyenRaw(body)
+			for i, raw := range items {
+				var it map[string]json.RawMessage
+				if json.Unmarshal(raw, &it) != nil {
+					continue
+				}
+				var ad map[string]string
+				_ = json.Unmarshal(it["additionalData"], &ad)
+				if ad == nil {
+					ad = map[string]string{}
+				}
+				ad["hmacSignature"] = base64.StdEncoding.EncodeToString(hmac256(string(key), AdyenSigningString(raw)))
+				it["additionalData"] = marshal(ad)
+				items[i] = marshal(it)
+			}
+			return adyenNotification(items)
+		},
+		sign:  func(http.Header, string, []byte, time.Time) error { return nil },
+		forge: func() *Sender { return Adyen("00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff") }}
+}
+
+// AdyenSigningString is the data an Adyen NotificationRequestItem's HMAC
+// covers: its eight signed fields joined by ":".
+func AdyenSigningString(item []byte) string {
+	var it struct {
+		PspReference, OriginalReference, MerchantAccountCode, MerchantReference string
+		Amount                                                                  struct {
+			Value    json.Number
+			Currency string
+		}
+		EventCode, Success string
+	}
+	_ = json.Unmarshal(item, &it)
+	return strings.Join([]string{it.PspReference, it.OriginalReference, it.MerchantAccountCode, it.MerchantReference,
+		it.Amount.Value.String(), it.Amount.Currency, it.EventCode, it.Success}, ":")
+}
+
+func adyenNotification(items []json.RawMessage) []byte {
+	wrapped := make([]map[string]json.RawMessage, len(items))
+	for i, it := range items {
+		wrapped[i] = map[string]json.RawMessage{"NotificationRequestItem": it}
+	}
+	return marshal(map[string]any{"live": json.RawMessage(`"false"`), "notificationItems": wrapped})
+}
+
+func adyenRaw(body []byte) []json.RawMessage {
+	var n struct {
+		NotificationItems []struct {
+			Item json.RawMessage `json:"NotificationRequestItem"`
+		} `json:"notificationItems"`
+	}
+	_ = json.Unmarshal(body, &n)
+	out := make([]json.RawMessage, len(n.NotificationItems))
+	for i, it := range n.NotificationItems {
+		out[i] = it.Item
+	}
+	return out
 }

@@ -59,7 +59,8 @@ type Sender struct {
 	resend    func(h http.Header) string
 	stamp     func(body []byte, at time.Time) []byte
 	idOf      func(id string, body []byte) string
-	query     func(body []byte) string // Delivery.Query of a body
+	query     func(body []byte) string     // Delivery.Query of a body
+	join      func(bodies [][]byte) []byte // Batch's body (default: the arrays concatenated)
 	handshake func() *Delivery
 	stamped   bool
 	batch     bool

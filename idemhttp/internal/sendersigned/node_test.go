@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"sync"
 	"testing"
@@ -135,13 +136,14 @@ func formParams(t *testing.T, body []byte) map[string]string {
 }
 
 // TestSignedByNodeLibraries: the senders whose own library is a Node one
-// (Square, HubSpot, Paddle, Linear; Twilio's Node library besides
-// twilio-go). Twilio's and HubSpot's libraries sign: the deliveries sent
+// (Square, HubSpot, Paddle, Linear, Adyen; Twilio's Node library besides
+// twilio-go). Twilio's, HubSpot's and Adyen's libraries sign: the deliveries sent
 // carry their signatures (which also equal idemtest's). Square's,
 // Paddle's and Linear's only verify: each idemtest delivery is accepted
 // by the library before it is sent. The preset accepts each and runs it
 // once; a forged copy is refused by both the library and the preset.
-// Versions: node/package-lock.json (twilio 6.2.0, square 46.0.0,
+// Adyen's library signs too (calculateHmac). Versions:
+// node/package-lock.json (@adyen/api-library 32.1.0, twilio 6.2.0, square 46.0.0,
 // @hubspot/api-client 13.5.0, @paddle/paddle-node-sdk 3.10.0, @linear/sdk
 // 98.0.0).
 func TestSignedByNodeLibraries(t *testing.T) {
@@ -150,6 +152,7 @@ func TestSignedByNodeLibraries(t *testing.T) {
 	pool := testdb.Pool(t, testdb.New(t), 20)
 	c := testdb.Client(t, pool, nil)
 	const key = "node genuine secret"
+	const adyenKey = "0123456789ABCDEF0123456789ABCDEF0123456789ABCDEF0123456789ABCDEF"
 	for _, tc := range []struct {
 		name   string
 		make   func(u string) (*idemtest.Sender, idemhttp.Preset)
@@ -192,6 +195,25 @@ func TestSignedByNodeLibraries(t *testing.T) {
 			},
 			verify: func(t *testing.T, d *idemtest.Delivery, u string) bool {
 				ok, _ := o.ask(t, map[string]any{"op": "hubspot.verify", "key": key, "url": u, "headers": lower(d.Header), "body": string(d.Body)})
+				return ok
+			}},
+		{name: "adyen",
+			make: func(string) (*idemtest.Sender, idemhttp.Preset) {
+				return idemtest.Adyen(adyenKey), idemhttp.Adyen(adyenKey)
+			},
+			sign: func(t *testing.T, d *idemtest.Delivery, _ string) {
+				_, body := o.ask(t, map[string]any{"op": "adyen.sign", "key": adyenKey, "body": string(d.Body)})
+				var lib, ours any
+				_ = json.Unmarshal([]byte(body), &lib)
+				_ = json.Unmarshal(d.Body, &ours)
+				if !reflect.DeepEqual(lib, ours) { // the same items and signatures; JSON escapes may differ
+					t.Fatalf("@adyen/api-library's calculateHmac signs\n%s\nidemtest\n%s", body, d.Body)
+				}
+				// Every item's signature is the library's (checked above); the
+				// delivery keeps idemtest's bytes, which escape & as Go does.
+			},
+			verify: func(t *testing.T, d *idemtest.Delivery, _ string) bool {
+				ok, _ := o.ask(t, map[string]any{"op": "adyen.verify", "key": adyenKey, "body": string(d.Body)})
 				return ok
 			}},
 		{name: "square",

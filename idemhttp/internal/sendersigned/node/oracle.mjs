@@ -2,6 +2,7 @@
 // answer per line on stdout: {"ok":bool,"value":string,"error":string}.
 // Used by TestSignedByNodeLibraries (sendersigned_node_test.go).
 import readline from "node:readline";
+import adyen from "@adyen/api-library";
 import twilio from "twilio";
 import { WebhooksHelper } from "square";
 import { Signature } from "@hubspot/api-client/lib/src/utils/signature.js";
@@ -22,6 +23,22 @@ const ops = {
   "hubspot.sign": (q) => Signature.getSignature("POST", "v3", { clientSecret: q.key, url: q.url, requestBody: q.body, timestamp: Number(q.timestamp) }),
   "hubspot.verify": (q) => Signature.isValid({ method: "POST", signatureVersion: "v3", signature: q.headers["x-hubspot-signature-v3"],
     clientSecret: q.key, url: q.url, requestBody: q.body, timestamp: Number(q.headers["x-hubspot-request-timestamp"]) }),
+  // Adyen signs: every NotificationRequestItem's hmacSignature, the body
+  // returned as the library's JSON.stringify writes it.
+  "adyen.sign": (q) => {
+    const n = JSON.parse(q.body);
+    const v = new adyen.hmacValidator();
+    for (const w of n.notificationItems) {
+      const item = w.NotificationRequestItem;
+      item.additionalData = item.additionalData || {};
+      item.additionalData.hmacSignature = v.calculateHmac(item, q.key);
+    }
+    return JSON.stringify(n);
+  },
+  "adyen.verify": (q) => {
+    const v = new adyen.hmacValidator();
+    return JSON.parse(q.body).notificationItems.every((w) => v.validateHMAC(w.NotificationRequestItem, q.key));
+  },
   "square.verify": (q) => WebhooksHelper.verifySignature({ requestBody: q.body, signatureHeader: q.headers["x-square-hmacsha256-signature"],
     signatureKey: q.key, notificationUrl: q.url }),
   "paddle.verify": (q) => paddle.webhooks.isSignatureValid(q.body, q.key, q.headers["paddle-signature"]),
