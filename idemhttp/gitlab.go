@@ -55,6 +55,8 @@ func GitLab(tokens ...string) Preset {
 	return preset(senderPreset{source: "gitlab", name: "GitLab",
 		key: HeaderKey("X-Gitlab-Event", "Idempotency-Key", "X-Gitlab-Event-UUID"), fingerprint: headersFingerprint(gitlabBound...),
 		ttl: GitLabRetention, secrets: tokens, verifier: GitLabVerifier,
-		headers:   append([]string{"Idempotency-Key", "X-Gitlab-Event-UUID", "X-Gitlab-Token"}, gitlabBound...),
+		// Not X-Gitlab-Token: it is the secret itself, and asynchronous
+		// mode stores the headers listed here.
+		headers:   append([]string{"Idempotency-Key", "X-Gitlab-Event-UUID"}, gitlabBound...),
 		guardBody: true})
 }

@@ -175,3 +175,38 @@ type refuseAll struct{}
 func (refuseAll) AcceptDelivery(context.Context, *idemhttp.Delivery) (bool, error) {
 	return false, errors.New("refused")
 }
+
+// captureAll is an Acceptor that keeps the deliveries it is handed.
+type captureAll struct{ ds chan *idemhttp.Delivery }
+
+func (c captureAll) AcceptDelivery(_ context.Context, d *idemhttp.Delivery) (bool, error) {
+	c.ds <- d
+	return false, nil
+}
+
+// TestGitLabTokenNeverStored: GitLab sends its secret token itself in
+// X-Gitlab-Token; in asynchronous mode, where the kept headers are stored
+// with the job, the token is not among them (the event and delivery
+// headers are).
+func TestGitLabTokenNeverStored(t *testing.T) {
+	t.Parallel()
+	c := testdb.Client(t, testdb.Pool(t, testdb.New(t), 2), nil)
+	acc := captureAll{ds: make(chan *idemhttp.Delivery, 1)}
+	mw, err := idemhttp.New(idemhttp.Config{Client: c, Async: acc}.Apply(idemhttp.GitLab(presetSecret)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(mw(http.NotFoundHandler()))
+	t.Cleanup(srv.Close)
+	ev := idemtest.GitLab(presetSecret).Event("Push Hook", "")
+	if resp, _ := idemtest.Send(t, srv.URL, ev); resp.StatusCode != http.StatusAccepted {
+		t.Fatalf("async GitLab delivery: %d, want 202", resp.StatusCode)
+	}
+	d := <-acc.ds
+	if v := d.Header.Values("X-Gitlab-Token"); len(v) != 0 {
+		t.Fatalf("the stored delivery keeps the secret token: %q", v)
+	}
+	if d.Header.Get("X-Gitlab-Event") != "Push Hook" || d.Header.Get("Idempotency-Key") != ev.ID {
+		t.Fatalf("the stored delivery lacks GitLab's event headers: %v", d.Header)
+	}
+}
