@@ -11,6 +11,7 @@ import (
 	"errors"
 	"log"
 	"net/http"
+	"net/netip"
 	"os"
 
 	"github.com/jackc/pgx/v5"
@@ -56,6 +57,7 @@ func _(ctx context.Context)                                     { httpDoc(ctx) }
 func _(ctx context.Context, pool *pgxpool.Pool, c *idem.Client) { inboxDoc(ctx, pool, c) }
 func _(ctx context.Context, pool *pgxpool.Pool, c *idem.Client) { inboxDocHandler(ctx, pool, c) }
 func _(c *idem.Client)                                          { sendersDoc(c, "", "", nil, nil) }
+func _(c *idem.Client)                                          { sendersTwilioDoc(c, "") }
 
 // README.md, "Use it from Go".
 func readmeDo(ctx context.Context, w http.ResponseWriter) {
@@ -177,6 +179,13 @@ func sendersDoc(c *idem.Client, billingSecret, connectSecret string, billingHand
 	http.Handle("POST /webhooks/stripe/billing", billing(billingHandler))
 	http.Handle("POST /webhooks/stripe/connect", connect(connectHandler))
 	useAll(err)
+}
+
+// docs/senders.md, URLs the sender signs.
+func sendersTwilioDoc(c *idem.Client, authToken string) {
+	mw, err := idemhttp.New(idemhttp.Config{Client: c}.Apply(
+		idemhttp.Twilio(idemhttp.PublicURL{TrustedProxies: []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8")}}, authToken)))
+	useAll(mw, err)
 }
 
 // docs/inbox.md, the setup.

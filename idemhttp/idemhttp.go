@@ -19,8 +19,13 @@
 // Presets verify and extract the key the way real senders sign and send
 // it: Stripe (event id in the body), GitHub (X-GitHub-Delivery), Shopify
 // (X-Shopify-Event-Id), Standard Webhooks / Svix (webhook-id or svix-id,
-// whichever the signature covers); docs/senders.md says, per sender, what
-// the signature proves and where each decision comes from. It is plain
+// whichever the signature covers), and seventeen more: Twilio, Slack,
+// Square, Paddle, SendGrid, HubSpot, GitLab, Linear, Zoom, PagerDuty,
+// Discord, Twitch, Typeform, Intercom, WooCommerce, Bitbucket and Adyen, with
+// their handshakes (answered by the preset), URL-covering signatures
+// (PublicURL) and multi-event deliveries (a key per event);
+// docs/senders.md says, per sender, what the signature proves and where
+// each decision comes from. It is plain
 // net/http, so it wraps chi, echo and gin handlers through their net/http
 // adapters.
 package idemhttp
@@ -176,6 +181,11 @@ type Config struct {
 	// the preset's keys (GitHub, Shopify: the body alone), tried on a
 	// mismatch in synchronous mode.
 	legacyFingerprint FingerprintFunc
+	// handshake answers a verified delivery that is the sender's
+	// handshake, not an event (handshake.go); batch makes every event of a
+	// multi-event delivery its own key (batch.go).
+	handshake handshakeFunc
+	batch     *batchSpec
 }
 
 // Response is what the middleware stores for a key: enough to replay the
@@ -310,6 +320,9 @@ func New(cfg Config) (func(http.Handler) http.Handler, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
+	if cfg.batch != nil && cfg.Async != nil {
+		return nil, fmt.Errorf("idemhttp: the %s preset deduplicates each event of a delivery and runs the handler synchronously; Config.Async is not supported with it", cfg.sender)
+	}
 	if err := claimSource(&cfg); err != nil {
 		return nil, err
 	}
@@ -373,11 +386,17 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 			}
 			m.decided(r, "", DecisionRefused, why)
 			m.cfg.Logger.LogAttrs(r.Context(), slog.LevelWarn, "idemhttp: delivery refused before any claim",
-				slog.String("source", m.cfg.Source), slog.Any("error", err))
+				append([]slog.Attr{slog.String("source", m.cfg.Source), slog.Any("error", err)}, refusalAttrs(err)...)...)
 			problem(w, status, title, err.Error(), nil)
 			return AnswerRefused
 		}
 		m.decided(r, "", DecisionVerified, "")
+	}
+	if m.cfg.handshake != nil && m.cfg.handshake(w, r, body) {
+		return AnswerHandshake
+	}
+	if m.cfg.batch != nil {
+		return m.serveBatch(w, r, body)
 	}
 	key, eventType, err := m.cfg.Key(r, body)
 	if err != nil {

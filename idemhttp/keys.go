@@ -153,6 +153,10 @@ type senderPreset struct {
 	guardBody    bool     // the signature covers the body only: the replay guard
 	// legacyFingerprint: what an earlier version stored (Config.legacyFingerprint).
 	legacyFingerprint FingerprintFunc
+	// handshake answers the sender's verified handshake (handshake.go),
+	// made from the endpoint's secrets; batch: a multi-event delivery.
+	handshake func(secrets []string) handshakeFunc
+	batch     *batchSpec
 }
 
 func preset(p senderPreset) Preset {
@@ -174,6 +178,10 @@ func preset(p senderPreset) Preset {
 			c.TTL = p.ttl
 		}
 		c.sender = p.name
+		c.batch = p.batch
+		if p.handshake != nil {
+			c.handshake = p.handshake(append([]string(nil), p.secrets...))
+		}
 		if c.Verify == nil && len(p.secrets) > 0 {
 			// Without secrets New asks for them, or for VerifiedUpstream.
 			v, err := p.verifier(p.secrets...)

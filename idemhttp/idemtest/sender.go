@@ -26,6 +26,7 @@ import (
 	"fmt"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 
 	standardwebhooks "github.com/standard-webhooks/standard-webhooks/libraries/go"
@@ -46,6 +47,26 @@ type Sender struct {
 	deliveryHeader string
 	// newID makes an event (or delivery) id of the sender's form.
 	newID func() string
+
+	// The senders added with the second set of presets (presets.go) say
+	// the rest themselves: forge makes the same sender under a key the
+	// receiver does not know; resend puts a fresh delivery id into h and
+	// returns it; stamp rewrites a body's own signed timestamp (Linear);
+	// idOf is the preset's key of a built delivery when it is not the id
+	// (Zoom: the body's digest); handshake builds the sender's handshake
+	// request; batch: the body is a JSON array of events.
+	forge     func() *Sender
+	resend    func(h http.Header) string
+	stamp     func(body []byte, at time.Time) []byte
+	idOf      func(id string, body []byte) string
+	query     func(body []byte) string     // Delivery.Query of a body
+	join      func(bodies [][]byte) []byte // Batch's body (default: the arrays concatenated)
+	handshake func() *Delivery
+	stamped   bool
+	batch     bool
+	// key is what the receiver's preset is given when it is not the
+	// secret the sender was made with (a public key).
+	key string
 }
 
 // A Delivery is one signed delivery of an event: its body and headers as
@@ -60,10 +81,20 @@ type Delivery struct {
 	ID, Type string
 	Body     []byte
 	Header   http.Header
+	// Query is appended to the URL the delivery is sent to (Twilio's
+	// bodySHA256 of a JSON body).
+	Query string
 }
 
 // Request returns a POST of the delivery to url.
 func (d *Delivery) Request(ctx context.Context, url string) (*http.Request, error) {
+	if d.Query != "" {
+		sep := "?"
+		if strings.Contains(url, "?") {
+			sep = "&"
+		}
+		url += sep + d.Query
+	}
 	r, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(d.Body))
 	if err != nil {
 		return nil, err
@@ -109,6 +140,12 @@ func (s *Sender) Event(typ, dataJSON string) *Delivery {
 	body, h := s.event(id, typ, data(dataJSON))
 	d := &Delivery{Sender: s.name, ID: id, Type: typ, Body: body, Header: h}
 	s.mustSign(d, id)
+	if s.query != nil {
+		d.Query = s.query(d.Body)
+	}
+	if s.idOf != nil {
+		d.ID = s.idOf(id, d.Body)
+	}
 	return d
 }
 
@@ -116,7 +153,7 @@ func (s *Sender) Event(typ, dataJSON string) *Delivery {
 // ids, signed again now (a fresh timestamp where the scheme has one). A
 // receiver must answer it as a duplicate.
 func (s *Sender) Redeliver(d *Delivery) *Delivery {
-	r := &Delivery{Sender: d.Sender, ID: d.ID, Type: d.Type, Body: d.Body, Header: d.Header.Clone()}
+	r := &Delivery{Sender: d.Sender, ID: d.ID, Type: d.Type, Body: d.Body, Header: d.Header.Clone(), Query: d.Query}
 	deliveryID := d.ID
 	if s.deliveryHeader != "" {
 		deliveryID = r.Header.Get(s.deliveryHeader)
@@ -136,7 +173,14 @@ func (s *Sender) Resend(d *Delivery) *Delivery {
 	if s.deliveryHeader == "" {
 		return s.Redeliver(d)
 	}
-	r := &Delivery{Sender: d.Sender, Type: d.Type, Body: d.Body, Header: d.Header.Clone()}
+	r := &Delivery{Sender: d.Sender, Type: d.Type, Body: d.Body, Header: d.Header.Clone(), Query: d.Query}
+	if s.resend != nil {
+		// The body as it was signed: whoever re-sends a captured delivery
+		// cannot sign a fresh timestamp into it.
+		r.ID = s.resend(r.Header)
+		s.stampless().mustSign(r, r.ID)
+		return r
+	}
 	id := s.newID()
 	switch s.name {
 	case "github":
@@ -156,12 +200,14 @@ func (s *Sender) Resend(d *Delivery) *Delivery {
 // (idemhttp answers 401) and run nothing.
 func (s *Sender) Forge(d *Delivery) *Delivery {
 	var wrong Sender
-	switch s.name {
-	case "stripe":
+	switch {
+	case s.forge != nil:
+		wrong = *s.forge()
+	case s.name == "stripe":
 		wrong = *Stripe("whsec_idemtest_forger")
-	case "github":
+	case s.name == "github":
 		wrong = *GitHub("idemtest forger")
-	case "shopify":
+	case s.name == "shopify":
 		wrong = *Shopify("idemtest forger")
 	default:
 		wrong = *StandardWebhooks("whsec_" + base64.StdEncoding.EncodeToString([]byte("idemtest forger's key")))
@@ -169,8 +215,22 @@ func (s *Sender) Forge(d *Delivery) *Delivery {
 	return wrong.Redeliver(d)
 }
 
+// stampless is s without its body's own timestamp.
+func (s *Sender) stampless() *Sender {
+	c := *s
+	c.stamp = nil
+	return &c
+}
+
 func (s *Sender) mustSign(d *Delivery, deliveryID string) {
-	if err := s.sign(d.Header, deliveryID, d.Body, time.Now()); err != nil {
+	s.mustSignAt(d, deliveryID, time.Now())
+}
+
+func (s *Sender) mustSignAt(d *Delivery, deliveryID string, at time.Time) {
+	if s.stamp != nil {
+		d.Body = s.stamp(d.Body, at)
+	}
+	if err := s.sign(d.Header, deliveryID, d.Body, at); err != nil {
 		panic("idemtest: " + err.Error()) // a secret the sender's library refused: checked by the constructor
 	}
 }
