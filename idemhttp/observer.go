@@ -32,6 +32,10 @@ const (
 	// wrote one, else 409 with Retry-After (the retry gets the other run's
 	// answer). Nothing of this run is stored.
 	AnswerLeaseLost Answer = "lease_lost"
+	// AnswerTimedOut: the handler returned on HandlerTimeout's cancelled
+	// context without answering; the key was released (503 with
+	// Retry-After).
+	AnswerTimedOut Answer = "timed_out"
 	// AnswerUnavailable: the idempotency store failed before the handler
 	// ran (503); the sender retries.
 	AnswerUnavailable Answer = "unavailable"
