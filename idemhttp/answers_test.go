@@ -373,3 +373,32 @@ func TestLargeAnswerMemory(t *testing.T) {
 		t.Fatalf("%d bytes allocated for a %d-byte answer: it was held in memory", alloc, size)
 	}
 }
+
+// TestPanicWhileStreaming: a handler that panics after part of a large
+// answer went out: the answer is cut off (the client reads an error, never
+// a complete-looking answer), the key is released and the retry runs.
+func TestPanicWhileStreaming(t *testing.T) {
+	t.Parallel()
+	var runs atomic.Int64
+	srv, _ := setup(t, idemhttp.Config{MaxResponseBody: 1 << 10, Logger: discard}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if runs.Add(1) == 1 {
+			io.WriteString(w, strings.Repeat("a", 8<<10))
+			w.(http.Flusher).Flush()
+			panic("boom")
+		}
+		io.WriteString(w, "whole")
+	}))
+	req, _ := http.NewRequest("POST", srv.URL+"/export", strings.NewReader(`{}`))
+	req.Header.Set("Idempotency-Key", "p")
+	resp, err := client.Do(req)
+	if err == nil {
+		_, err = io.ReadAll(resp.Body)
+		resp.Body.Close()
+	}
+	if err == nil {
+		t.Fatal("the answer of a handler that panicked while it streamed read as complete")
+	}
+	if r := send(t, srv, "POST", "/export", `{}`, key("p")); r.body != "whole" || runs.Load() != 2 {
+		t.Fatalf("retry: %q, runs %d", r.body, runs.Load())
+	}
+}
