@@ -14,8 +14,9 @@ import (
 // (rate limited, a dependency briefly away) releases its key without
 // counting the attempt: under max_attempts 2, five such failures still
 // leave the key to run, and the sixth delivery succeeds; a plain error
-// still counts (the key fails for good after two). Through pgx and
-// database/sql.
+// still counts (the key fails for good after two). Through pgx,
+// database/sql, a role granted only idem.grant_app, and PgBouncer in
+// transaction mode.
 func TestMomentaryNotCounted(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -33,8 +34,24 @@ func TestMomentaryNotCounted(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	if _, err := pool.Exec(ctx, `CREATE ROLE momentary_app LOGIN; SELECT idem.grant_app('momentary_app')`); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = pool.Exec(context.Background(), `DROP OWNED BY momentary_app; DROP ROLE momentary_app`)
+	})
+	var dbname string
+	if err := pool.QueryRow(ctx, `SELECT current_database()`).Scan(&dbname); err != nil {
+		t.Fatal(err)
+	}
+	clients := map[string]*idem.Client{
+		"pgx":          testdb.Client(t, pool, nil),
+		"database/sql": sqlc,
+		"app role":     testdb.Client(t, testdb.Pool(t, testdb.AsUser(url, "momentary_app"), 2), nil),
+		"pgbouncer":    testdb.Client(t, testdb.Pool(t, testdb.PgBouncer(t, dbname), 2), nil),
+	}
 	limited := errors.New("429 Too Many Requests")
-	for name, c := range map[string]*idem.Client{"pgx": testdb.Client(t, pool, nil), "database/sql": sqlc} {
+	for name, c := range clients {
 		k := "k-" + name
 		for i := range 5 {
 			_, err := c.Do(ctx, "rl", k, func(context.Context) (any, error) { return nil, idem.Momentary(limited) })

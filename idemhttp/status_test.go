@@ -117,7 +117,7 @@ var statusRows = []statusRow{
 			<-r.Context().Done() // returns on the cancelled context, writes nothing
 		}},
 	{name: "lost lease", first: 409, problem: true, retry: 409, runs: 1, attempts: 1, overlap: true,
-		cfg: func(c *idemhttp.Config) { c.Lease = time.Second },
+		cfg: func(c *idemhttp.Config) { c.Lease = 6 * time.Second }, // the retry comes well within it
 		handler: func(env *rowEnv, _ http.ResponseWriter, r *http.Request) {
 			// Another worker takes the key over: its token changes.
 			if _, err := env.pool.Exec(context.Background(),
