@@ -252,10 +252,11 @@ func StoreIETF(status int) bool {
 }
 
 // Momentary reports a status that describes the moment, not the request:
-// 401, 403, 408, 409, 425, 429 and 503. Under the default Store such an
-// answer is not stored and releases the key without counting as an
-// attempt toward the source's max_attempts (idem.Momentary): a client
-// rate-limited 25 times still gets its request run once the limit lifts.
+// 401, 403, 408, 409, 425, 429 and 503. Such an answer that Config.Store
+// does not keep (none of them, under either default) releases the key
+// without counting as an attempt toward the source's max_attempts
+// (idem.Momentary): a client rate-limited 25 times still gets its request
+// run once the limit lifts.
 func Momentary(status int) bool {
 	switch status {
 	case http.StatusUnauthorized, http.StatusForbidden, http.StatusRequestTimeout,

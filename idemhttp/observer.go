@@ -18,7 +18,8 @@ const (
 	AnswerMismatch Answer = "mismatch"
 	// AnswerFailed: the key's work failed permanently before (422).
 	AnswerFailed Answer = "failed"
-	// AnswerRefused: the signature was missing or wrong; nothing claimed.
+	// AnswerRefused: the signature was missing or wrong, or Config.Scope
+	// named no principal (401); nothing claimed.
 	AnswerRefused Answer = "refused"
 	// AnswerBadRequest: no usable key or body (400, 413); nothing claimed.
 	AnswerBadRequest Answer = "bad_request"
