@@ -111,7 +111,7 @@ func TestScopeRequired(t *testing.T) {
 func TestPayloadKeysNotScoped(t *testing.T) {
 	t.Parallel()
 	var runs atomic.Int64
-	logs := &logBuffer{}
+	logs := &capturedLog{}
 	srv, pool := setup(t, idemhttp.Config{Source: "events", Key: idemhttp.JSONKey("", "id"), Logger: slog.New(slog.NewTextHandler(logs, nil))}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		runs.Add(1)
 		io.WriteString(w, "processed")
@@ -145,19 +145,19 @@ func TestPayloadKeysNotScoped(t *testing.T) {
 	}
 }
 
-// logBuffer is a slog handler's output, safe for concurrent writes.
-type logBuffer struct {
+// capturedLog is a slog handler's output, safe for concurrent writes.
+type capturedLog struct {
 	mu sync.Mutex
 	b  bytes.Buffer
 }
 
-func (l *logBuffer) Write(p []byte) (int, error) {
+func (l *capturedLog) Write(p []byte) (int, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.b.Write(p)
 }
 
-func (l *logBuffer) String() string {
+func (l *capturedLog) String() string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.b.String()
@@ -168,7 +168,7 @@ func (l *logBuffer) String() string {
 // go to the log under the same id.
 func TestProblemsLeakNothing(t *testing.T) {
 	t.Parallel()
-	logs := &logBuffer{}
+	logs := &capturedLog{}
 	srv, _ := setup(t, idemhttp.Config{Source: "secret-source", Scope: func(*http.Request) (string, error) { return "tenant-42", nil },
 		Logger: slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug}))},
 		http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusCreated) }))
@@ -380,7 +380,7 @@ func TestLargeAnswerMemory(t *testing.T) {
 func TestPanicWhileStreaming(t *testing.T) {
 	t.Parallel()
 	var runs atomic.Int64
-	srv, _ := setup(t, idemhttp.Config{MaxResponseBody: 1 << 10, Logger: discard}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	srv, _ := setup(t, idemhttp.Config{MaxResponseBody: 1 << 10, Logger: quietLogger}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if runs.Add(1) == 1 {
 			io.WriteString(w, strings.Repeat("a", 8<<10))
 			w.(http.Flusher).Flush()

@@ -176,7 +176,7 @@ func TestStatusTable(t *testing.T) {
 					started: make(chan struct{}), proceed: make(chan struct{})}
 				var runs, active, maxActive atomic.Int64
 				cfg := idemhttp.Config{Client: c, Source: env.source, Scope: idemhttp.Unscoped,
-					Logger: discard}
+					Logger: quietLogger}
 				if row.cfg != nil {
 					row.cfg(&cfg)
 				}
@@ -351,4 +351,4 @@ func rawStatus(t *testing.T, base, path, k string) int {
 	return status
 }
 
-var discard = slog.New(slog.DiscardHandler)
+var quietLogger = slog.New(slog.DiscardHandler)
