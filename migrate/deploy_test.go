@@ -5,8 +5,10 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"io/fs"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -42,7 +44,8 @@ func TestUpgradeUnderClaimLoad(t *testing.T) {
 		hold        = 3 * time.Second
 		lockTimeout = 100 * time.Millisecond
 	)
-	for from := int64(1); from < migrate.Latest(); from++ {
+	vs := embeddedVersions(t)
+	for _, from := range vs[:len(vs)-1] {
 		t.Run(fmt.Sprintf("from %d", from), func(t *testing.T) {
 			ctx := context.Background()
 			url := testdb.NewEmpty(t)
@@ -200,8 +203,10 @@ func TestRacingMigrateUpThroughPgBouncer(t *testing.T) {
 		}
 		slices.Sort(versions)
 		var want []int64
-		for v := from + 1; v <= migrate.Latest(); v++ {
-			want = append(want, v)
+		for _, v := range embeddedVersions(t) {
+			if v > from {
+				want = append(want, v)
+			}
 		}
 		if !slices.Equal(versions, want) {
 			t.Fatalf("from %d: the two migrators applied %v (first %d, second %d steps), want each of %v once",
@@ -212,8 +217,8 @@ func TestRacingMigrateUpThroughPgBouncer(t *testing.T) {
 		if err := direct.QueryRowContext(ctx, `SELECT count(*), count(DISTINCT version_id) FROM idem.goose_db_version WHERE version_id > 0`).Scan(&rows, &distinct); err != nil {
 			t.Fatal(err)
 		}
-		if rows != migrate.Latest() || distinct != rows {
-			t.Fatalf("from %d: the version table holds %d rows of %d versions, want %d", from, rows, distinct, migrate.Latest())
+		if n := int64(len(embeddedVersions(t))); rows != n || distinct != rows {
+			t.Fatalf("from %d: the version table holds %d rows of %d versions, want %d", from, rows, distinct, n)
 		}
 		var locks int
 		if err := direct.QueryRowContext(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) AND classid = 0 AND objid = $1 AND objsubid = 1`,
@@ -352,4 +357,26 @@ func TestUpGivesUpWithErrLockTimeout(t *testing.T) {
 	if _, err := migrate.New(db, migrate.Config{Retries: -2}); err == nil {
 		t.Error("Retries -2 was accepted")
 	}
+}
+
+// embeddedVersions are the versions of the embedded migrations, in order:
+// not every number up to migrate.Latest() (a branch's migration may be
+// numbered past a gap).
+func embeddedVersions(t *testing.T) []int64 {
+	t.Helper()
+	names, err := fs.Glob(migrate.FS(), "*.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var vs []int64
+	for _, n := range names {
+		num, _, _ := strings.Cut(n, "_")
+		v, err := strconv.ParseInt(num, 10, 64)
+		if err != nil {
+			t.Fatalf("migration %s: %v", n, err)
+		}
+		vs = append(vs, v)
+	}
+	slices.Sort(vs)
+	return vs
 }

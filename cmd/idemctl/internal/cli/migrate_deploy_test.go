@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io/fs"
 	"os"
 	"os/exec"
 	"strings"
@@ -65,8 +66,10 @@ func TestMigrateUpRacingThroughPgBouncer(t *testing.T) {
 		river += strings.Count(r.out, "applied River migrations")
 		t.Logf("migrate up %d (%v):\n%s", i, r.took.Round(time.Millisecond), r.out)
 	}
-	if applied != int(migrate.Latest()) {
-		t.Errorf("the two processes applied %d of idem's steps, want each of %d once", applied, migrate.Latest())
+	// The embedded migrations (a branch's may be numbered past a gap).
+	steps, _ := fs.Glob(migrate.FS(), "*.sql")
+	if applied != len(steps) {
+		t.Errorf("the two processes applied %d of idem's steps, want each of %d once", applied, len(steps))
 	}
 	var rows, distinct, riverRows, riverDistinct, locks int
 	if err := direct.QueryRow(ctx, `
@@ -77,8 +80,8 @@ func TestMigrateUpRacingThroughPgBouncer(t *testing.T) {
 		migrate.LockID, inbox.MigrateLockID).Scan(&rows, &distinct, &riverRows, &riverDistinct, &locks); err != nil {
 		t.Fatal(err)
 	}
-	if rows != int(migrate.Latest()) || distinct != rows {
-		t.Errorf("idem's version table: %d rows of %d versions, want %d", rows, distinct, migrate.Latest())
+	if rows != len(steps) || distinct != rows {
+		t.Errorf("idem's version table: %d rows of %d versions, want %d", rows, distinct, len(steps))
 	}
 	if riverRows == 0 || riverDistinct != riverRows || river == 0 {
 		t.Errorf("River's versions: %d rows of %d versions, %d processes said they applied some", riverRows, riverDistinct, river)
