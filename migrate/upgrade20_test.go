@@ -73,7 +73,7 @@ func TestUpgradeTo20(t *testing.T) {
 		t.Fatalf("a counted failure: attempts %d, %v, want 1", attempts, err)
 	}
 
-	if _, err := p.Down(ctx); err != nil {
+	if _, err := p.DownTo(ctx, 16); err != nil {
 		t.Fatal(err)
 	}
 	seededAnswered(t, db, "down to 16")
