@@ -45,7 +45,8 @@ type Result struct {
 //
 // When fn returns an error, the key is released as a retryable failure (so
 // the next delivery runs fn again) and the error is returned; wrap it with
-// Permanent to record a permanent failure instead. A panic in fn is
+// Permanent to record a permanent failure instead, or with Momentary to
+// release the key without counting the attempt. A panic in fn is
 // recovered, released the same way, and returned as a *PanicError.
 //
 // Other answers are errors: ErrInProgress (another worker holds the lease;
@@ -115,6 +116,9 @@ func (c *Client) do(ctx context.Context, source, key string, fn func(ctx context
 	if runErr != nil {
 		retryable := !IsPermanent(runErr)
 		if ferr := c.record(ctx, source, key, func(ctx context.Context) error {
+			if retryable && IsMomentary(runErr) {
+				return c.failMomentary(ctx, source, key, cl.Token, runErr.Error())
+			}
 			return c.Fail(ctx, source, key, cl.Token, runErr.Error(), retryable)
 		}); ferr != nil && !errors.Is(runErr, ErrLeaseLost) {
 			c.cfg.Logger.LogAttrs(ctx, slog.LevelWarn, "idem: could not record failure; the key is released when its lease ends",

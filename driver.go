@@ -59,6 +59,7 @@ type driver interface {
 	complete(ctx context.Context, source, key string, token int64, result []byte, echo bool) (outcome string, stored []byte, err error)
 	completeUnstored(ctx context.Context, source, key string, token int64, reason string) (string, error)
 	fail(ctx context.Context, source, key string, token int64, msg string, retryable bool) (string, error)
+	failMomentary(ctx context.Context, source, key string, token int64, msg string) (string, error)
 	extend(ctx context.Context, source, key string, token int64, lease time.Duration) (string, time.Time, error)
 	// claimBatch, completeBatch and failBatch are the batch calls
 	// (driver_batch.go): one answer per item, in the items' order, or nil
@@ -327,6 +328,10 @@ func (d pgxDriver) fail(ctx context.Context, source, key string, token int64, ms
 	return d.q.Fail(ctx, pgxdb.FailParams{Source: source, Key: key, Token: token, Error: &msg, Retryable: retryable})
 }
 
+func (d pgxDriver) failMomentary(ctx context.Context, source, key string, token int64, msg string) (string, error) {
+	return d.q.FailMomentary(ctx, pgxdb.FailMomentaryParams{Source: source, Key: key, Token: token, Error: &msg})
+}
+
 func (d pgxDriver) extend(ctx context.Context, source, key string, token int64, lease time.Duration) (string, time.Time, error) {
 	row, err := d.q.Extend(ctx, pgxdb.ExtendParams{Source: source, Key: key, Token: token, LeaseMs: msPtr(lease)})
 	return row.Outcome, tsOf(row.LeaseExpiresAt), err
@@ -531,6 +536,13 @@ func (d sqlDriver) fail(ctx context.Context, source, key string, token int64, ms
 	return sqlRetry(d, func() (string, error) {
 		return d.q.Fail(ctx, sqldb.FailParams{Source: source, Key: key, Token: token,
 			Error: sql.NullString{String: msg, Valid: true}, Retryable: retryable})
+	})
+}
+
+func (d sqlDriver) failMomentary(ctx context.Context, source, key string, token int64, msg string) (string, error) {
+	return sqlRetry(d, func() (string, error) {
+		return d.q.FailMomentary(ctx, sqldb.FailMomentaryParams{Source: source, Key: key, Token: token,
+			Error: sql.NullString{String: msg, Valid: true}})
 	})
 }
 

@@ -151,6 +151,29 @@ func Permanent(err error) error {
 	return permanent{err}
 }
 
+type momentary struct{ err error }
+
+func (m momentary) Error() string { return m.err.Error() }
+func (m momentary) Unwrap() error { return m.err }
+
+// Momentary marks an error returned from Do's work as about the moment,
+// not the work (rate limited, a dependency briefly unavailable): the key
+// is released for a retry, as for any retryable error, and the attempt
+// is not counted toward the source's max_attempts (migration 20; an
+// earlier schema counts it). Permanent wins over it.
+func Momentary(err error) error {
+	if err == nil {
+		return nil
+	}
+	return momentary{err}
+}
+
+// IsMomentary reports whether err was marked with Momentary.
+func IsMomentary(err error) bool {
+	var m momentary
+	return errors.As(err, &m)
+}
+
 // IsPermanent reports whether err was marked with Permanent.
 func IsPermanent(err error) bool {
 	var p permanent

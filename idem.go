@@ -507,6 +507,19 @@ func (c *Client) Fail(ctx context.Context, source, key string, token int64, msg 
 	return outcomeErr("fail", source, key, out)
 }
 
+// failMomentary records a failure about the moment, not the work
+// (Momentary): the key is released without counting the attempt.
+func (c *Client) failMomentary(ctx context.Context, source, key string, token int64, msg string) error {
+	if err := c.check("fail", source, key); err != nil {
+		return err
+	}
+	out, err := c.d.failMomentary(ctx, source, key, token, StorableText(msg))
+	if err != nil {
+		return convert("fail", source, key, err)
+	}
+	return outcomeErr("fail", source, key, out)
+}
+
 // Extend pushes the lease of the work owned by token to now+lease (the
 // source's policy lease when lease is 0) and returns the new expiry.
 func (c *Client) Extend(ctx context.Context, source, key string, token int64, lease time.Duration) (time.Time, error) {

@@ -125,7 +125,7 @@ func appendKeyPart(b []byte, part string, sep byte) []byte {
 
 // ScopeKey prefixes key with the scope it belongs to (idemhttp's
 // Config.Scope), joined with "|": a scope that holds neither "|" nor a
-// backslash (CredentialsScope's, or any tenant id without them) is kept as
+// backslash (any user or tenant id without them) is kept as
 // it is, as before; one that does is escaped (JoinKey's rule with "|" as
 // the separator), so the first unescaped "|" always ends the scope and
 // two (scope, key) pairs never give one key. The key itself is not

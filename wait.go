@@ -122,3 +122,17 @@ func (c *Client) waitFor(ctx context.Context, a claimArgs, cl *Claim) (*Claim, e
 		t.Stop()
 	}
 }
+
+// Peek reports the status of (source, key) without claiming it or
+// counting a duplicate: "processing", "completed", "failed", or "" when
+// the key has no live row. It reads what is committed (idem.peek).
+func (c *Client) Peek(ctx context.Context, source, key string) (string, error) {
+	if err := c.check("peek", source, key); err != nil {
+		return "", err
+	}
+	status, _, err := c.d.peek(ctx, source, key)
+	if err != nil {
+		return "", convert("peek", source, key, err)
+	}
+	return status, nil
+}

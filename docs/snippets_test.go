@@ -172,6 +172,23 @@ func httpDoc(ctx context.Context) {
 	useAll(err)
 }
 
+// userKey is where docs/http.md's authentication middleware puts the user.
+type userKey struct{}
+
+// docs/http.md, per-client scope.
+func scopeDoc(c *idem.Client) {
+	mw, err := idemhttp.New(idemhttp.Config{Client: c, Source: "orders",
+		Scope: func(r *http.Request) (string, error) {
+			user, ok := r.Context().Value(userKey{}).(string) // set by your authentication middleware
+			if !ok {
+				return "", idemhttp.ErrNoPrincipal
+			}
+			return user, nil
+		}})
+	http.Handle("POST /orders", mw(myHandler))
+	useAll(err)
+}
+
 // docs/senders.md, one endpoint per source.
 func sendersDoc(c *idem.Client, billingSecret, connectSecret string, billingHandler, connectHandler http.Handler) {
 	billing, err := idemhttp.New(idemhttp.Config{Client: c, Source: "stripe-billing"}.Apply(idemhttp.Stripe(billingSecret)))

@@ -102,16 +102,17 @@ func (m *middleware) accept(w http.ResponseWriter, r *http.Request, d *Delivery)
 		}
 		return answer
 	case errors.Is(err, idem.ErrMismatch):
-		problem(w, http.StatusUnprocessableEntity, "Idempotency key reused",
-			"This idempotency key was used with a different request payload.", nil)
+		m.problem(w, r, problemAnswer{status: http.StatusUnprocessableEntity, title: "Idempotency key reused",
+			detail: "This idempotency key was used with a different request payload."})
 		return AnswerMismatch
 	case errors.Is(err, idem.ErrInvalidInput):
-		problem(w, http.StatusBadRequest, "Invalid idempotency key", err.Error(), nil)
+		m.problem(w, r, problemAnswer{status: http.StatusBadRequest, title: "Invalid delivery",
+			detail: "The delivery's key or request cannot be stored: keys are at most 512 bytes of UTF-8 text without NUL characters.",
+			level:  slog.LevelInfo, msg: "idemhttp: the inbox refused the delivery", key: d.Key, cause: err})
 		return AnswerBadRequest
 	}
-	m.cfg.Logger.LogAttrs(r.Context(), slog.LevelError, "idemhttp: could not accept the delivery",
-		slog.String("source", d.Source), slog.String("key", d.Key), slog.Any("error", err))
-	problem(w, http.StatusServiceUnavailable, "Inbox unavailable",
-		"The delivery was not accepted; retry later.", map[string]string{"Retry-After": "5"})
+	m.problem(w, r, problemAnswer{status: http.StatusServiceUnavailable, title: "Inbox unavailable",
+		detail: "The delivery was not accepted; retry later.", headers: map[string]string{"Retry-After": "5"},
+		level: slog.LevelError, msg: "idemhttp: could not accept the delivery", key: d.Key, cause: err})
 	return AnswerUnavailable
 }

@@ -150,7 +150,7 @@ func (m *middleware) serveBatch(w http.ResponseWriter, r *http.Request, body []b
 	rr.Body, rr.ContentLength = io.NopCloser(bytes.NewReader(newBody)), int64(len(newBody))
 	rr.Header = r.Header.Clone()
 	rr.Header.Set("Content-Length", strconv.Itoa(len(newBody)))
-	rec := newRecorder(m.cfg.MaxResponseBody)
+	rec := newRecorder(w, m.cfg.MaxResponseBody)
 	panicked := func() (p any) {
 		defer func() { p = recover() }()
 		m.next.ServeHTTP(rec, rr)
@@ -186,7 +186,7 @@ func (m *middleware) serveBatch(w http.ResponseWriter, r *http.Request, body []b
 			map[string]string{"Retry-After": "1"})
 		return AnswerInProgress
 	}
-	rec.flushTo(w)
+	rec.flushTo()
 	return AnswerRan
 }
 

@@ -10,7 +10,7 @@
 // that answers 5xx or panics releases the key, so the sender's retry runs
 // it again; so does any non-2xx answer under a webhook preset, and 401,
 // 403, 408, 409, 425 and 429 in the IETF mode, whose keys are scoped per
-// client (Config.Scope). The presets verify the sender's signature before
+// principal (Config.Scope). The presets verify the sender's signature before
 // anything is claimed (Config.Verify). The handler runs
 // detached from the request's context, under Config.HandlerTimeout: a
 // sender that times out and hangs up neither cancels the work nor keeps
@@ -32,8 +32,6 @@ package idemhttp
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -42,6 +40,7 @@ import (
 	"math"
 	"net/http"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/idemkit/idem"
@@ -52,7 +51,15 @@ const (
 	DefaultMaxRequestBody  = 1 << 20   // 1 MiB
 	DefaultMaxResponseBody = 512 << 10 // 512 KiB: stored base64 inside idem's 1 MiB result cap
 	DefaultHandlerTimeout  = time.Minute
+	// MaxResponseBodyLimit is the largest MaxResponseBody: a body this
+	// long, base64 in the stored answer, leaves 64 KiB of idem's stored
+	// result (idem.MaxResultBytes) to the status and headers. 720 KiB.
+	MaxResponseBodyLimit = (idem.MaxResultBytes - 64<<10) / 4 * 3
 )
+
+// ErrInvalidConfig: New refused a Config; the error says which field and
+// why.
+var ErrInvalidConfig = errors.New("idemhttp: invalid Config")
 
 // KeyFunc extracts the idempotency key (and, optionally, the event type)
 // from a request whose body has been read into body. An empty key means the
@@ -84,10 +91,15 @@ type Config struct {
 	PassThroughMissingKey bool
 	// MaxRequestBody caps the request body (413 past it). Default 1 MiB.
 	MaxRequestBody int64
-	// MaxResponseBody caps the stored response body. A larger response is
-	// sent in full, and stored without its body (status and replay headers
-	// only, Response.BodyOmitted): the handler ran, so a duplicate is
-	// answered with that status instead of running it again. Default 512 KiB.
+	// MaxResponseBody caps the stored response body, and what of an
+	// answer is held in memory. An answer up to it is sent once the
+	// handler returns (or as it flushes), and stored whole. A larger one
+	// streams to the client as the handler writes it and is stored
+	// without its body (status and replay headers only,
+	// Response.BodyOmitted): the handler ran, so a duplicate is answered
+	// with that status instead of running it again. Default 512 KiB; at
+	// most MaxResponseBodyLimit (New refuses more: ErrInvalidConfig), so
+	// that the stored answer fits idem's stored result.
 	MaxResponseBody int
 	// ReplayHeaders are the response headers stored and replayed.
 	// Default: Content-Type, Content-Language, Location, Cache-Control, ETag.
@@ -110,13 +122,23 @@ type Config struct {
 	// Idempotency-Key): every status below 500 except 401, 403, 408, 409,
 	// 425 and 429, which describe the moment, not the request.
 	Store func(status int) bool
-	// Scope, in the IETF Idempotency-Key mode, names the client a key
-	// belongs to: the same key from two clients is two keys, so one
-	// client's stored answer never reaches another. Return the
-	// authenticated principal (a user or tenant id) where you have one.
-	// Default: CredentialsScope, a digest of the request's credentials.
-	// The webhook presets key by the sender's event id and have no scope.
-	Scope func(r *http.Request) string
+	// Scope names the principal a key belongs to: what the application's
+	// authentication decided the client is (a user, tenant or API client
+	// id), never a credential's bytes, so that a client that refreshes its
+	// token, or signs each request anew, is the same client. The key is
+	// stored as idem.ScopeKey(principal, key): the same key from two
+	// principals is two keys, and one principal's stored answer never
+	// reaches another. An error answers 401 problem+json and claims
+	// nothing (a request whose principal is unknown); "" is no principal:
+	// the key as it is, shared with every request without one (Unscoped).
+	//
+	// Required with the default Key (the Idempotency-Key header, chosen
+	// by each client): New refuses a Config without it (ErrScopeRequired);
+	// set Unscoped where the keys are the endpoint's own (one client, or
+	// keys unique by construction). Keys taken from a payload or a
+	// sender's header (a preset, JSONKey, HeaderKey, Compose) identify the
+	// event whoever sends it, and are scoped only when Scope is set.
+	Scope func(r *http.Request) (principal string, err error)
 	// TTL and Lease override the source's policy (0: the policy). Senders
 	// time out after about 10 seconds (Stripe, GitHub): the lease is
 	// extended while the handler runs, so it only needs to outlast a
@@ -194,9 +216,14 @@ type Response struct {
 	Status  int                 `json:"status"`
 	Headers map[string][]string `json:"headers,omitempty"`
 	Body    []byte              `json:"body"` // base64 in JSON
-	// BodyOmitted: the body was over MaxResponseBody and was not stored;
-	// a replay sends the status and headers with an empty body.
+	// BodyOmitted: the body was over MaxResponseBody (or would not fit
+	// idem's stored result) and was not stored; a replay sends the status
+	// and headers with an empty body.
 	BodyOmitted bool `json:"body_omitted,omitempty"`
+	// HeadersOmitted: some replay headers were not stored (a value
+	// PostgreSQL cannot hold, such as a NUL byte, or headers too large to
+	// store); a replay sends the status without them.
+	HeadersOmitted bool `json:"headers_omitted,omitempty"`
 }
 
 // ReplayedHeader marks a replayed response.
@@ -232,44 +259,36 @@ func Store2xx(status int) bool { return status >= 200 && status < 300 }
 // StoreIETF stores every answer below 500 except 401, 403, 408, 409, 425
 // and 429: the IETF Idempotency-Key mode's default.
 func StoreIETF(status int) bool {
-	switch status {
-	case http.StatusUnauthorized, http.StatusForbidden, http.StatusRequestTimeout,
-		http.StatusConflict, http.StatusTooEarly, http.StatusTooManyRequests:
-		return false
-	}
-	return status < 500
+	return !Momentary(status) && status < 500
 }
 
-// CredentialsScope scopes a key to the request's credentials: a SHA-256
-// digest of its Authorization, Proxy-Authorization and X-Api-Key headers
-// (16 bytes, hex). Requests without any share the scope "anonymous": give
-// Config.Scope your authenticated principal when clients authenticate
-// some other way.
-func CredentialsScope(r *http.Request) string {
-	a, p, k := r.Header.Values("Authorization"), r.Header.Values("Proxy-Authorization"), r.Header.Values("X-Api-Key")
-	if len(a)+len(p)+len(k) == 0 {
-		return "anonymous"
+// Momentary reports a status that describes the moment, not the request:
+// 401, 403, 408, 409, 425, 429 and 503. Such an answer that Config.Store
+// does not keep (none of them, under either default) releases the key
+// without counting as an attempt toward the source's max_attempts
+// (idem.Momentary): a client rate-limited 25 times still gets its request
+// run once the limit lifts.
+func Momentary(status int) bool {
+	switch status {
+	case http.StatusUnauthorized, http.StatusForbidden, http.StatusRequestTimeout,
+		http.StatusConflict, http.StatusTooEarly, http.StatusTooManyRequests,
+		http.StatusServiceUnavailable:
+		return true
 	}
-	h := sha256.New()
-	for _, vs := range [][]string{a, p, k} {
-		for _, v := range vs {
-			h.Write([]byte(v))
-			h.Write([]byte{0})
-		}
-		h.Write([]byte{1})
-	}
-	return "c:" + hex.EncodeToString(h.Sum(nil)[:16])
+	return false
 }
 
 // New returns the middleware, or an error for an invalid Config: among
-// others a preset's bad secret (ErrInvalidSecret) and a source taken by
-// another endpoint over the same Client (ErrSourceInUse).
+// others a preset's bad secret (ErrInvalidSecret), a source taken by
+// another endpoint over the same Client (ErrSourceInUse), the default
+// Idempotency-Key header without Config.Scope (ErrScopeRequired), and a
+// MaxResponseBody over MaxResponseBodyLimit (ErrInvalidConfig).
 func New(cfg Config) (func(http.Handler) http.Handler, error) {
 	if cfg.Client == nil {
-		return nil, errors.New("idemhttp: Config.Client is required")
+		return nil, fmt.Errorf("%w: Config.Client is required", ErrInvalidConfig)
 	}
 	if cfg.Source == "" {
-		return nil, errors.New("idemhttp: Config.Source is required")
+		return nil, fmt.Errorf("%w: Config.Source is required", ErrInvalidConfig)
 	}
 	if cfg.presetErr != nil {
 		return nil, cfg.presetErr
@@ -279,6 +298,9 @@ func New(cfg Config) (func(http.Handler) http.Handler, error) {
 			"or set Config.VerifiedUpstream if deliveries are verified before this middleware", cfg.sender, cfg.sender)
 	}
 	if cfg.Key == nil {
+		if cfg.Scope == nil && cfg.sender == "" {
+			return nil, ErrScopeRequired
+		}
 		cfg.Key = IdempotencyKeyHeader
 	}
 	if cfg.Fingerprint == nil {
@@ -291,16 +313,21 @@ func New(cfg Config) (func(http.Handler) http.Handler, error) {
 		cfg.MaxResponseBody = DefaultMaxResponseBody
 	}
 	if cfg.MaxRequestBody < 0 || cfg.MaxResponseBody < 0 {
-		return nil, errors.New("idemhttp: body caps must not be negative")
+		return nil, fmt.Errorf("%w: body caps must not be negative", ErrInvalidConfig)
+	}
+	if cfg.MaxResponseBody > MaxResponseBodyLimit {
+		return nil, fmt.Errorf("%w: MaxResponseBody %d is over MaxResponseBodyLimit (%d): its answer, base64 in the stored result, "+
+			"would not fit idem's %d bytes; larger answers are sent whole and stored without their body anyway",
+			ErrInvalidConfig, cfg.MaxResponseBody, MaxResponseBodyLimit, idem.MaxResultBytes)
 	}
 	if cfg.TTL < 0 || cfg.Lease < 0 {
-		return nil, fmt.Errorf("idemhttp: TTL %v and Lease %v must not be negative (0: the source's policy)", cfg.TTL, cfg.Lease)
+		return nil, fmt.Errorf("%w: TTL %v and Lease %v must not be negative (0: the source's policy)", ErrInvalidConfig, cfg.TTL, cfg.Lease)
 	}
 	if cfg.Wait < 0 || cfg.Wait > idem.MaxWait {
-		return nil, fmt.Errorf("idemhttp: Wait %v must be between 0 (no waiting) and %v", cfg.Wait, idem.MaxWait)
+		return nil, fmt.Errorf("%w: Wait %v must be between 0 (no waiting) and %v", ErrInvalidConfig, cfg.Wait, idem.MaxWait)
 	}
 	if cfg.HandlerTimeout < 0 {
-		return nil, fmt.Errorf("idemhttp: HandlerTimeout %v must not be negative (0: the default %v)", cfg.HandlerTimeout, DefaultHandlerTimeout)
+		return nil, fmt.Errorf("%w: HandlerTimeout %v must not be negative (0: the default %v)", ErrInvalidConfig, cfg.HandlerTimeout, DefaultHandlerTimeout)
 	}
 	if cfg.HandlerTimeout == 0 {
 		cfg.HandlerTimeout = DefaultHandlerTimeout
@@ -314,9 +341,6 @@ func New(cfg Config) (func(http.Handler) http.Handler, error) {
 			cfg.Store = Store2xx
 		}
 	}
-	if cfg.Scope == nil && cfg.sender == "" {
-		cfg.Scope = CredentialsScope
-	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
@@ -327,19 +351,25 @@ func New(cfg Config) (func(http.Handler) http.Handler, error) {
 		return nil, err
 	}
 	return func(next http.Handler) http.Handler {
-		return &middleware{cfg: cfg, next: next}
+		return &middleware{cfg: cfg, next: next, unscopedWarning: new(sync.Once)}
 	}, nil
 }
 
 type middleware struct {
-	cfg  Config
-	next http.Handler
+	cfg             Config
+	next            http.Handler
+	unscopedWarning *sync.Once // warnUnscoped
 }
 
-// errRetry marks a handler answer that releases the key.
+// errRetry marks a handler answer that is not stored: the key is released.
 type errRetry struct{ status int }
 
 func (e errRetry) Error() string { return fmt.Sprintf("handler answered %d", e.status) }
+
+// errHandlerTimeout: the handler returned on HandlerTimeout's cancelled
+// context without answering. The key is released; the client is told to
+// retry.
+var errHandlerTimeout = errors.New("idemhttp: the handler returned without an answer when HandlerTimeout ended")
 
 func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	a := m.serve(w, r)
@@ -349,9 +379,11 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
-// serve answers r and says how.
 // legacyFingerprints are the fingerprints earlier versions stored for
-// this delivery, other than fp.
+// this delivery, other than fp: a preset's (Config.legacyFingerprint),
+// and the form the Fingerprint func gives when asked for its legacy one
+// (legacyFingerprint: JSONFingerprint's numbers as written,
+// RequestFingerprint without the query string).
 func (m *middleware) legacyFingerprints(r *http.Request, body []byte, fp string) []string {
 	var olds []string
 	if m.cfg.legacyFingerprint != nil {
@@ -365,32 +397,15 @@ func (m *middleware) legacyFingerprints(r *http.Request, body []byte, fp string)
 	return olds
 }
 
+// serve answers r and says how.
 func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, m.cfg.MaxRequestBody))
-	if err != nil {
-		var tooBig *http.MaxBytesError
-		if errors.As(err, &tooBig) {
-			problem(w, http.StatusRequestEntityTooLarge, "Request body too large",
-				fmt.Sprintf("The request body exceeds %d bytes.", m.cfg.MaxRequestBody), nil)
-			return AnswerBadRequest
-		}
-		problem(w, http.StatusBadRequest, "Unreadable request body", err.Error(), nil)
+	body, ok := m.readBody(w, r)
+	if !ok {
 		return AnswerBadRequest
 	}
 	r.Body = io.NopCloser(newReader(body))
-	if m.cfg.Verify != nil {
-		if err := m.cfg.Verify(r, body); err != nil {
-			status, title, why := http.StatusUnauthorized, "Signature verification failed", RefusedSignatureInvalid
-			if errors.Is(err, ErrSignatureMissing) {
-				status, title, why = http.StatusBadRequest, "Signature missing or malformed", RefusedSignatureMissing
-			}
-			m.decided(r, "", DecisionRefused, why)
-			m.cfg.Logger.LogAttrs(r.Context(), slog.LevelWarn, "idemhttp: delivery refused before any claim",
-				append([]slog.Attr{slog.String("source", m.cfg.Source), slog.Any("error", err)}, refusalAttrs(err)...)...)
-			problem(w, status, title, err.Error(), nil)
-			return AnswerRefused
-		}
-		m.decided(r, "", DecisionVerified, "")
+	if !m.verified(w, r, body) {
+		return AnswerRefused
 	}
 	if m.cfg.handshake != nil && m.cfg.handshake(w, r, body) {
 		return AnswerHandshake
@@ -400,7 +415,8 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 	}
 	key, eventType, err := m.cfg.Key(r, body)
 	if err != nil {
-		problem(w, http.StatusBadRequest, "Invalid idempotency key", err.Error(), nil)
+		m.problem(w, r, problemAnswer{status: http.StatusBadRequest, title: "Invalid idempotency key",
+			detail: keyErrorDetail(err), cause: err, level: slog.LevelInfo})
 		return AnswerBadRequest
 	}
 	if key == "" {
@@ -408,14 +424,15 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 			m.next.ServeHTTP(w, r)
 			return AnswerPassedThrough
 		}
-		problem(w, http.StatusBadRequest, "Idempotency key missing",
-			"This endpoint requires an idempotency key (the Idempotency-Key header, or the sender's delivery id).", nil)
+		m.problem(w, r, problemAnswer{status: http.StatusBadRequest, title: "Idempotency key missing",
+			detail: "This endpoint requires an idempotency key (the Idempotency-Key header, or the sender's delivery id)."})
 		return AnswerBadRequest
 	}
-
-	if m.cfg.Scope != nil {
-		key = idem.ScopeKey(m.cfg.Scope(r), key)
+	key, ok = m.scoped(w, r, key)
+	if !ok {
+		return AnswerRefused
 	}
+	key = m.legacyKey(r, key)
 	if m.cfg.Async != nil {
 		d := &Delivery{Source: m.cfg.Source, Key: key, EventType: eventType,
 			Fingerprint: m.cfg.Fingerprint(r, body), Body: body, Header: m.keep(r.Header),
@@ -429,10 +446,9 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 		replay, done, err := m.guard(r.Context(), key, eventType, body)
 		switch {
 		case err != nil:
-			m.cfg.Logger.LogAttrs(r.Context(), slog.LevelError, "idemhttp: idempotency store failed",
-				slog.String("source", m.cfg.Source), slog.String("key", key), slog.Any("error", err))
-			problem(w, http.StatusServiceUnavailable, "Idempotency store unavailable",
-				"The request was not processed; retry later.", map[string]string{"Retry-After": "5"})
+			m.problem(w, r, problemAnswer{status: http.StatusServiceUnavailable, title: "Idempotency store unavailable",
+				detail: "The request was not processed; retry later.", headers: map[string]string{"Retry-After": "5"},
+				level: slog.LevelError, msg: "idemhttp: idempotency store failed", key: key, cause: err})
 			return AnswerUnavailable
 		case replay:
 			m.cfg.Logger.LogAttrs(r.Context(), slog.LevelWarn, "idemhttp: a signed body delivered before under another delivery id: answered as a duplicate, nothing run",
@@ -441,6 +457,52 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 		}
 		defer done()
 	}
+	return m.run(w, r, key, eventType, body)
+}
+
+// readBody reads the request body under MaxRequestBody (413 past it).
+func (m *middleware) readBody(w http.ResponseWriter, r *http.Request) ([]byte, bool) {
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, m.cfg.MaxRequestBody))
+	if err == nil {
+		return body, true
+	}
+	if tooBig := new(http.MaxBytesError); errors.As(err, &tooBig) {
+		m.problem(w, r, problemAnswer{status: http.StatusRequestEntityTooLarge, title: "Request body too large",
+			detail: fmt.Sprintf("The request body exceeds %d bytes.", m.cfg.MaxRequestBody)})
+		return nil, false
+	}
+	m.problem(w, r, problemAnswer{status: http.StatusBadRequest, title: "Unreadable request body",
+		detail: "The request body could not be read.", cause: err, level: slog.LevelInfo})
+	return nil, false
+}
+
+// verified checks the delivery's signature (Config.Verify), before
+// anything is claimed.
+func (m *middleware) verified(w http.ResponseWriter, r *http.Request, body []byte) bool {
+	if m.cfg.Verify == nil {
+		return true
+	}
+	err := m.cfg.Verify(r, body)
+	if err == nil {
+		m.decided(r, "", DecisionVerified, "")
+		return true
+	}
+	p := problemAnswer{status: http.StatusUnauthorized, title: "Signature verification failed",
+		detail: "The delivery's signature does not verify with this endpoint's secret, or its timestamp is too far from now.",
+		level:  slog.LevelWarn, msg: "idemhttp: delivery refused before any claim", cause: err, attrs: refusalAttrs(err)}
+	why := RefusedSignatureInvalid
+	if errors.Is(err, ErrSignatureMissing) {
+		p.status, p.title, p.detail = http.StatusBadRequest, "Signature missing or malformed",
+			"The delivery carries no well-formed signature header."
+		why = RefusedSignatureMissing
+	}
+	m.decided(r, "", DecisionRefused, why)
+	m.problem(w, r, p)
+	return false
+}
+
+// claimOptions are the options of the key's claim.
+func (m *middleware) claimOptions(eventType string) []idem.ClaimOption {
 	var opts []idem.ClaimOption
 	if eventType != "" {
 		opts = append(opts, idem.WithEventType(eventType))
@@ -454,25 +516,23 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 	if m.cfg.Wait > 0 {
 		opts = append(opts, idem.WithWait(m.cfg.Wait))
 	}
+	return opts
+}
 
+// run claims the key, runs the handler when the claim is acquired and
+// answers.
+func (m *middleware) run(w http.ResponseWriter, r *http.Request, key, eventType string, body []byte) Answer {
+	opts := m.claimOptions(eventType)
 	// Detached from the request: once the handler starts, the sender
 	// hanging up must not cancel it or keep its answer from being recorded.
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), m.cfg.HandlerTimeout)
 	defer cancel()
 	var rec *recorder
 	work := func(ctx context.Context) (any, error) {
-		rec = newRecorder(m.cfg.MaxResponseBody)
+		rec = newRecorder(w, m.cfg.MaxResponseBody)
 		m.next.ServeHTTP(rec, r.WithContext(ctx))
-		if !m.cfg.Store(rec.status()) {
-			return nil, errRetry{rec.status()}
-		}
-		if rec.overflow {
-			m.cfg.Logger.LogAttrs(ctx, slog.LevelWarn, "idemhttp: response body too large to store; stored its status and headers only",
-				slog.String("source", m.cfg.Source), slog.String("key", key), slog.Int("limit", m.cfg.MaxResponseBody))
-		}
-		return m.stored(rec), nil
+		return m.outcome(ctx, key, rec)
 	}
-	var res *idem.Result
 	fp := m.cfg.Fingerprint(r, body)
 	do := func(fp string) (*idem.Result, error) {
 		if fp == "" {
@@ -480,104 +540,196 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 		}
 		return m.cfg.Client.Do(ctx, m.cfg.Source, key, work, append(opts, idem.WithFingerprint(fp))...)
 	}
-	res, err = do(fp)
+	res, err := do(fp)
 	// A key stored by an earlier version under another fingerprint of the
-	// same delivery (a sender preset's body-only fingerprint, or
-	// JSONFingerprint's numbers as written): its sender's retry is not a
-	// mismatch.
+	// same delivery (a sender preset's body-only fingerprint,
+	// JSONFingerprint's numbers as written, RequestFingerprint without the
+	// query): its sender's retry is not a mismatch.
 	for _, old := range m.legacyFingerprints(r, body, fp) {
 		if !errors.Is(err, idem.ErrMismatch) {
 			break
 		}
 		res, err = do(old)
 	}
+	return m.answer(w, r, key, rec, res, err)
+}
 
+// outcome decides, once the handler returned, what becomes of the key:
+// the answer to store (the key completed), or an error that releases it
+// (errRetry: a status Config.Store does not keep, not counted as an
+// attempt when Momentary; errHandlerTimeout).
+func (m *middleware) outcome(ctx context.Context, key string, rec *recorder) (any, error) {
+	if !rec.written() && errors.Is(context.Cause(ctx), context.DeadlineExceeded) {
+		return nil, errHandlerTimeout
+	}
+	if status := rec.status(); !m.cfg.Store(status) {
+		if Momentary(status) {
+			return nil, idem.Momentary(errRetry{status})
+		}
+		return nil, errRetry{status}
+	}
+	resp, raw := m.stored(rec)
+	if resp.BodyOmitted || resp.HeadersOmitted {
+		m.cfg.Logger.LogAttrs(ctx, slog.LevelWarn, "idemhttp: the answer is too large or holds what cannot be stored; stored its status without it",
+			slog.String("source", m.cfg.Source), slog.String("key", key), slog.Int("status", resp.Status),
+			slog.Int64("body_bytes", rec.n), slog.Int("limit", m.cfg.MaxResponseBody),
+			slog.Bool("body_omitted", resp.BodyOmitted), slog.Bool("headers_omitted", resp.HeadersOmitted))
+	}
+	return raw, nil
+}
+
+// answer sends the client the answer the claim and the handler decided.
+func (m *middleware) answer(w http.ResponseWriter, r *http.Request, key string, rec *recorder, res *idem.Result, err error) Answer {
+	ran := rec != nil // the handler ran (this request's claim was acquired)
 	switch {
 	case err == nil && res.Replayed:
 		m.replay(w, r, key, res.Result)
 		return AnswerReplayed
 	case err == nil:
-		rec.flushTo(w)
+		rec.flushTo()
 		return AnswerRan
 	case errors.Is(err, idem.ErrInProgress):
 		retry := 1 // by the database's clock, never compared with ours
 		if res != nil && res.Claim != nil {
 			retry = max(1, int(math.Ceil(res.Claim.LeaseRemaining.Seconds())))
 		}
-		problem(w, http.StatusConflict, "Request in progress",
-			"A request with this idempotency key is being processed; retry later.",
-			map[string]string{"Retry-After": strconv.Itoa(retry)})
+		m.problem(w, r, problemAnswer{status: http.StatusConflict, title: "Request in progress",
+			detail:  "A request with this idempotency key is being processed; retry later.",
+			headers: map[string]string{"Retry-After": strconv.Itoa(retry)}})
 		return AnswerInProgress
 	case errors.Is(err, idem.ErrMismatch):
-		problem(w, http.StatusUnprocessableEntity, "Idempotency key reused",
-			"This idempotency key was used with a different request payload.", nil)
+		m.problem(w, r, problemAnswer{status: http.StatusUnprocessableEntity, title: "Idempotency key reused",
+			detail: "This idempotency key was used with a different request payload."})
 		return AnswerMismatch
 	case errors.Is(err, idem.ErrFailed):
-		var fe *idem.FailedError
-		errors.As(err, &fe)
-		problem(w, http.StatusUnprocessableEntity, "Request failed permanently", fe.Message, nil)
+		m.problem(w, r, problemAnswer{status: http.StatusUnprocessableEntity, title: "Request failed permanently",
+			detail: "Requests with this idempotency key failed too many times; send the request with a new key.",
+			level:  slog.LevelWarn, msg: "idemhttp: the key failed permanently", key: key, cause: err})
 		return AnswerFailed
-	case errors.Is(err, idem.ErrInvalidInput):
-		problem(w, http.StatusBadRequest, "Invalid idempotency key", err.Error(), nil)
-		return AnswerBadRequest
-	case rec != nil && errors.Is(err, idem.ErrLeaseLost):
-		// The lease lapsed while the handler ran (it could not be extended
-		// in time) and another worker took the key over. That run's answer
-		// is the one stored. This run's answer, if the handler wrote one,
-		// is sent as it is; if the handler stopped when its context was
-		// cancelled, the sender is told to retry and will get that answer.
-		m.cfg.Logger.LogAttrs(r.Context(), slog.LevelWarn, "idemhttp: the lease was lost while the handler ran; another worker took the key over",
-			slog.String("source", m.cfg.Source), slog.String("key", key), slog.Any("error", err))
-		if rec.written() {
-			rec.flushTo(w)
-			return AnswerLeaseLost
-		}
-		problem(w, http.StatusConflict, "Request taken over",
-			"The lease on this idempotency key lapsed while it was processed and another worker took it over; retry to get its answer.",
-			map[string]string{"Retry-After": "1"})
-		return AnswerLeaseLost
-	case rec != nil && errors.Is(err, idem.ErrResultNotStored):
-		// The handler ran and the key is completed without its answer
-		// (duplicates get 200 with no body): send this run's answer.
+	case ran && errors.Is(err, idem.ErrResultNotStored):
+		// Before ErrInvalidInput, which it matches too when the cause is
+		// a value PostgreSQL refused: the handler ran and the key is
+		// completed without its answer; send this run's answer.
 		m.cfg.Logger.LogAttrs(r.Context(), slog.LevelWarn, "idemhttp: the response could not be stored; the key is completed without it",
 			slog.String("source", m.cfg.Source), slog.String("key", key), slog.Any("error", err))
-		rec.flushTo(w)
+		rec.flushTo()
 		return AnswerRan
-	case rec != nil && errors.As(err, new(errRetry)):
+	case ran && errors.Is(err, idem.ErrLeaseLost):
+		return m.leaseLost(w, r, key, rec, err)
+	case ran && errors.Is(err, errHandlerTimeout):
+		m.problem(w, r, problemAnswer{status: http.StatusServiceUnavailable, title: "Request timed out",
+			detail: "The request was not completed in time; retry it with the same idempotency key.", headers: map[string]string{"Retry-After": "1"},
+			level: slog.LevelWarn, msg: "idemhttp: the handler returned without an answer when HandlerTimeout ended; the key was released", key: key, cause: err})
+		return AnswerTimedOut
+	case ran && errors.As(err, new(errRetry)):
 		// The handler answered; its answer was not stored. Send it as is.
-		rec.flushTo(w)
+		rec.flushTo()
 		return AnswerRan
-	case rec != nil && errors.As(err, new(*idem.PanicError)):
-		m.cfg.Logger.LogAttrs(r.Context(), slog.LevelError, "idemhttp: handler panicked; the key was released",
-			slog.String("source", m.cfg.Source), slog.String("key", key), slog.Any("error", err))
-		problem(w, http.StatusInternalServerError, "Internal error", "The handler failed; retry the request.", nil)
-		return AnswerPanicked
+	case ran && errors.As(err, new(*idem.PanicError)):
+		return m.panicked(w, r, key, rec, err)
+	case !ran && errors.Is(err, idem.ErrInvalidInput):
+		m.problem(w, r, problemAnswer{status: http.StatusBadRequest, title: "Invalid idempotency key",
+			detail: "The idempotency key is not usable: at most 512 bytes of UTF-8 text without NUL characters.",
+			level:  slog.LevelInfo, msg: "idemhttp: the claim refused the key", key: key, cause: err})
+		return AnswerBadRequest
 	default:
-		m.cfg.Logger.LogAttrs(r.Context(), slog.LevelError, "idemhttp: idempotency store failed",
-			slog.String("source", m.cfg.Source), slog.String("key", key), slog.Any("error", err))
-		if rec != nil && rec.written() {
+		if ran && rec.written() {
 			// The handler ran: its answer is the truth, even if it could
 			// not be stored.
-			rec.flushTo(w)
+			m.cfg.Logger.LogAttrs(r.Context(), slog.LevelError, "idemhttp: idempotency store failed after the handler ran; its answer was sent",
+				slog.String("source", m.cfg.Source), slog.String("key", key), slog.Any("error", err))
+			rec.flushTo()
 			return AnswerRan
 		}
-		problem(w, http.StatusServiceUnavailable, "Idempotency store unavailable",
-			"The request was not processed; retry later.", map[string]string{"Retry-After": "5"})
+		m.problem(w, r, problemAnswer{status: http.StatusServiceUnavailable, title: "Idempotency store unavailable",
+			detail: "The request was not processed; retry later.", headers: map[string]string{"Retry-After": "5"},
+			level: slog.LevelError, msg: "idemhttp: idempotency store failed", key: key, cause: err})
 		return AnswerUnavailable
 	}
 }
 
-func (m *middleware) stored(rec *recorder) Response {
+// leaseLost answers a run whose lease lapsed while the handler ran and
+// another worker took the key over. That run's answer is the one stored.
+// This run's answer, if the handler wrote one, is sent as it is; if the
+// handler stopped when its context was cancelled, the client is told to
+// retry and will get that answer.
+func (m *middleware) leaseLost(w http.ResponseWriter, r *http.Request, key string, rec *recorder, err error) Answer {
+	if rec.written() {
+		m.cfg.Logger.LogAttrs(r.Context(), slog.LevelWarn, "idemhttp: the lease was lost while the handler ran; another worker took the key over",
+			slog.String("source", m.cfg.Source), slog.String("key", key), slog.Any("error", err))
+		rec.flushTo()
+		return AnswerLeaseLost
+	}
+	m.problem(w, r, problemAnswer{status: http.StatusConflict, title: "Request taken over",
+		detail:  "This request took too long and another attempt took it over; retry to get its answer.",
+		headers: map[string]string{"Retry-After": "1"},
+		level:   slog.LevelWarn, msg: "idemhttp: the lease was lost while the handler ran; another worker took the key over", key: key, cause: err})
+	return AnswerLeaseLost
+}
+
+// panicked answers a handler that panicked: the key is released. An
+// answer already streaming to the client is cut off (http.ErrAbortHandler),
+// so that it never looks complete.
+func (m *middleware) panicked(w http.ResponseWriter, r *http.Request, key string, rec *recorder, err error) Answer {
+	if rec.sent {
+		m.cfg.Logger.LogAttrs(r.Context(), slog.LevelError, "idemhttp: handler panicked while its answer streamed; the key was released and the answer cut off",
+			slog.String("source", m.cfg.Source), slog.String("key", key), slog.Any("error", err))
+		if m.cfg.Observer != nil {
+			m.cfg.Observer.ObserveAnswer(m.cfg.Source, AnswerPanicked)
+		}
+		panic(http.ErrAbortHandler)
+	}
+	m.problem(w, r, problemAnswer{status: http.StatusInternalServerError, title: "Internal error",
+		detail: "The request failed; retry it.",
+		level:  slog.LevelError, msg: "idemhttp: handler panicked; the key was released", key: key, cause: err})
+	return AnswerPanicked
+}
+
+// storedLimit is the largest stored answer's JSON, with 8 bytes per JSON
+// value for what jsonb adds to each: under idem.MaxResultBytes.
+const storedLimit = idem.MaxResultBytes - 4<<10
+
+// stored is the answer to store for rec, and its JSON: status, the replay
+// headers and the body, within what idem can store. A body over
+// MaxResponseBody, or that would not fit, is omitted (BodyOmitted), as
+// are header values PostgreSQL cannot hold (a NUL byte) and headers that
+// would not fit (HeadersOmitted): the status is always stored, so a
+// duplicate is answered with the status the handler meant.
+func (m *middleware) stored(rec *recorder) (Response, json.RawMessage) {
 	resp := Response{Status: rec.status(), Body: rec.body.Bytes(), Headers: map[string][]string{}}
 	if rec.overflow {
 		resp.Body, resp.BodyOmitted = nil, true
 	}
-	for _, h := range m.cfg.ReplayHeaders {
-		if v := rec.header.Values(h); len(v) > 0 {
-			resp.Headers[http.CanonicalHeaderKey(h)] = v
+	h := rec.storedHeader()
+	values := 0
+	for _, name := range m.cfg.ReplayHeaders {
+		vs := h.Values(name)
+		if len(vs) == 0 {
+			continue
 		}
+		ok := true
+		for _, v := range vs {
+			if idem.CheckText("header", v) != nil {
+				ok = false
+			}
+		}
+		if !ok {
+			resp.HeadersOmitted = true
+			continue
+		}
+		resp.Headers[http.CanonicalHeaderKey(name)] = vs
+		values += 1 + len(vs)
 	}
-	return resp
+	raw, _ := json.Marshal(resp) // nothing in it fails to marshal
+	if len(raw)+8*(values+8) > storedLimit && !resp.BodyOmitted {
+		resp.Body, resp.BodyOmitted = nil, true
+		raw, _ = json.Marshal(resp)
+	}
+	if len(raw)+8*(values+8) > storedLimit {
+		resp.Headers, resp.HeadersOmitted = nil, true
+		raw, _ = json.Marshal(resp)
+	}
+	return resp, raw
 }
 
 func (m *middleware) replay(w http.ResponseWriter, r *http.Request, key string, raw json.RawMessage) {
@@ -597,19 +749,4 @@ func (m *middleware) replay(w http.ResponseWriter, r *http.Request, key string, 
 	m.replayed(w, r, key, resp.Status, ReplayStored)
 	w.WriteHeader(resp.Status)
 	_, _ = w.Write(resp.Body)
-}
-
-// problem writes an RFC 9457 problem+json response.
-func problem(w http.ResponseWriter, status int, title, detail string, headers map[string]string) {
-	for k, v := range headers {
-		w.Header().Set(k, v)
-	}
-	w.Header().Set("Content-Type", "application/problem+json")
-	w.WriteHeader(status)
-	_ = json.NewEncoder(w).Encode(map[string]any{
-		"type":   "about:blank",
-		"title":  title,
-		"status": status,
-		"detail": detail,
-	})
 }

@@ -35,6 +35,9 @@ func setup(t *testing.T, cfg idemhttp.Config, h http.Handler) (*httptest.Server,
 	if cfg.Source == "" {
 		cfg.Source = "api"
 	}
+	if cfg.Key == nil && cfg.Scope == nil {
+		cfg.Scope = idemhttp.Unscoped
+	}
 	mw, err := idemhttp.New(cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -348,25 +351,45 @@ func TestTransientAnswersNotStored(t *testing.T) {
 	}
 }
 
-// TestClientScope: the same Idempotency-Key and body from two clients are
-// two keys; each client gets its own replay, never the other's.
+// TestClientScope: keys are scoped by the principal Config.Scope names
+// from the application's authentication, not by credentials. The same
+// Idempotency-Key and body from two principals are two keys, each gets
+// its own replay; the same principal after a token refresh (another
+// Authorization header) is the same client, replayed, not run again; a
+// request whose principal is unknown is 401 and claims nothing.
 func TestClientScope(t *testing.T) {
 	t.Parallel()
+	tokens := map[string]string{"Bearer alice-1": "alice", "Bearer alice-2": "alice", "Bearer bob-1": "bob"}
+	scope := func(r *http.Request) (string, error) {
+		if p, ok := tokens[r.Header.Get("Authorization")]; ok {
+			return p, nil
+		}
+		return "", idemhttp.ErrNoPrincipal
+	}
 	var runs atomic.Int64
-	srv, _ := setup(t, idemhttp.Config{}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	srv, pool := setup(t, idemhttp.Config{Scope: scope}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		runs.Add(1)
-		fmt.Fprintf(w, "account of %s", r.Header.Get("Authorization"))
+		fmt.Fprintf(w, "account of %s", tokens[r.Header.Get("Authorization")])
 	}))
-	alice := map[string]string{"Idempotency-Key": `"order-1"`, "Authorization": "Bearer alice"}
-	bob := map[string]string{"Idempotency-Key": `"order-1"`, "Authorization": "Bearer bob"}
-	a1 := send(t, srv, "POST", "/orders", `{"qty":1}`, alice)
-	b1 := send(t, srv, "POST", "/orders", `{"qty":1}`, bob)
-	a2 := send(t, srv, "POST", "/orders", `{"qty":1}`, alice)
-	if b1.body != "account of Bearer bob" || b1.header.Get(idemhttp.ReplayedHeader) != "" {
+	as := func(token string) map[string]string {
+		return map[string]string{"Idempotency-Key": `"order-1"`, "Authorization": token}
+	}
+	a1 := send(t, srv, "POST", "/orders", `{"qty":1}`, as("Bearer alice-1"))
+	b1 := send(t, srv, "POST", "/orders", `{"qty":1}`, as("Bearer bob-1"))
+	a2 := send(t, srv, "POST", "/orders", `{"qty":1}`, as("Bearer alice-2")) // refreshed token
+	if b1.body != "account of bob" || b1.header.Get(idemhttp.ReplayedHeader) != "" {
 		t.Fatalf("bob got %q (replayed %q): another client's answer", b1.body, b1.header.Get(idemhttp.ReplayedHeader))
 	}
-	if a1.body != "account of Bearer alice" || a2.body != a1.body || a2.header.Get(idemhttp.ReplayedHeader) != "true" || runs.Load() != 2 {
-		t.Fatalf("alice: %q then %q (replayed %q), handler ran %d times", a1.body, a2.body, a2.header.Get(idemhttp.ReplayedHeader), runs.Load())
+	if a1.body != "account of alice" || a2.body != a1.body || a2.header.Get(idemhttp.ReplayedHeader) != "true" || runs.Load() != 2 {
+		t.Fatalf("alice: %q then, with a refreshed token, %q (replayed %q); handler ran %d times", a1.body, a2.body, a2.header.Get(idemhttp.ReplayedHeader), runs.Load())
+	}
+	requireProblem(t, send(t, srv, "POST", "/orders", `{"qty":1}`, as("Bearer stolen")), http.StatusUnauthorized)
+	if runs.Load() != 2 {
+		t.Fatal("a request without a principal ran the handler")
+	}
+	// The key is visible as the principal's: idemctl release --key 'alice|order-1'.
+	if st, err := testdb.Client(t, pool, nil).Peek(context.Background(), "api", idem.ScopeKey("alice", "order-1")); err != nil || st != "completed" {
+		t.Fatalf("alice's key: %q, %v", st, err)
 	}
 }
 

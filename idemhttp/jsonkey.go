@@ -203,14 +203,16 @@ func JSONFingerprint(paths ...string) FingerprintFunc {
 
 // legacyFingerprintKey, in a request's context, asks JSONFingerprint for
 // the fingerprint versions before numbers were compared by value stored
-// (numbers as written): the middleware claims with it once more when the
+// (numbers as written), and RequestFingerprint for the one without the
+// query string: the middleware claims with it once more when the
 // first claim answers Mismatch and it differs, so that a retry of an event
 // accepted before the upgrade still matches its stored fingerprint.
 type legacyFingerprintKey struct{}
 
-// legacyFingerprint is fp's form before numbers were compared by value,
-// or "" when it is the same (every FingerprintFunc but JSONFingerprint's,
-// and JSONFingerprint's for numbers already in their shortest form).
+// legacyFingerprint is fp's form in earlier versions (JSONFingerprint's
+// before numbers were compared by value, RequestFingerprint's before the
+// query string was covered), or "" when it is the same (other
+// FingerprintFuncs, numbers already in their shortest form, no query).
 func legacyFingerprint(f FingerprintFunc, r *http.Request, body []byte, fp string) string {
 	old := f(r.WithContext(context.WithValue(r.Context(), legacyFingerprintKey{}, true)), body)
 	if old == fp {

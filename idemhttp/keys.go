@@ -2,7 +2,6 @@ package idemhttp
 
 import (
 	"encoding/json"
-	"errors"
 	"fmt"
 	"net/http"
 	"strconv"
@@ -14,21 +13,41 @@ import (
 
 // IdempotencyKeyHeader reads the IETF Idempotency-Key header. Its value is
 // a structured-field string ("8e03978e-..."), quotes and escapes per RFC
-// 8941; a bare token is accepted too, since many clients send one.
+// 8941; a bare token is accepted too, since many clients send one. The
+// field is an Item: sent on several header lines (or as a list a proxy
+// combined, "a", "b"), it does not parse, and the request is answered 400
+// rather than keyed by one of them.
 func IdempotencyKeyHeader(r *http.Request, _ []byte) (string, string, error) {
-	v := strings.TrimSpace(r.Header.Get("Idempotency-Key"))
+	vs := r.Header.Values("Idempotency-Key")
+	if len(vs) > 1 {
+		return "", "", &KeyHeaderError{Problem: fmt.Sprintf("Idempotency-Key was sent %d times; send it once", len(vs))}
+	}
+	if len(vs) == 0 {
+		return "", "", nil
+	}
+	v := strings.TrimSpace(vs[0])
 	if v == "" {
 		return "", "", nil
 	}
 	if strings.HasPrefix(v, `"`) {
 		return parseSFString(v)
 	}
+	if strings.IndexByte(v, ',') >= 0 {
+		return "", "", &KeyHeaderError{Problem: "Idempotency-Key holds a list (a comma); send one key, as a structured-field string"}
+	}
 	return v, "", nil
 }
+
+// KeyHeaderError: the Idempotency-Key header does not parse. Its text is
+// what the client is told (400).
+type KeyHeaderError struct{ Problem string }
+
+func (e *KeyHeaderError) Error() string { return e.Problem }
 
 // parseSFString parses an RFC 8941 sf-string: "..." with \" and \\ escapes,
 // printable ASCII only.
 func parseSFString(v string) (string, string, error) {
+	bad := func(problem string) (string, string, error) { return "", "", &KeyHeaderError{Problem: problem} }
 	var b strings.Builder
 	for i := 1; i < len(v); i++ {
 		c := v[i]
@@ -36,24 +55,24 @@ func parseSFString(v string) (string, string, error) {
 		case c == '\\':
 			i++
 			if i >= len(v) || (v[i] != '"' && v[i] != '\\') {
-				return "", "", errors.New(`Idempotency-Key: bad escape in structured-field string`)
+				return bad(`Idempotency-Key: bad escape in structured-field string`)
 			}
 			b.WriteByte(v[i])
 		case c == '"':
 			if rest := strings.TrimSpace(v[i+1:]); rest != "" && !strings.HasPrefix(rest, ";") {
-				return "", "", errors.New("Idempotency-Key: text after the closing quote")
+				return bad("Idempotency-Key: text after the closing quote (one key per request)")
 			}
 			if b.Len() == 0 {
-				return "", "", errors.New("Idempotency-Key is an empty string")
+				return bad("Idempotency-Key is an empty string")
 			}
 			return b.String(), "", nil
 		case c < 0x20 || c > 0x7e:
-			return "", "", errors.New("Idempotency-Key: structured-field strings are printable ASCII")
+			return bad("Idempotency-Key: structured-field strings are printable ASCII")
 		default:
 			b.WriteByte(c)
 		}
 	}
-	return "", "", errors.New("Idempotency-Key: unterminated structured-field string")
+	return bad("Idempotency-Key: unterminated structured-field string")
 }
 
 // HeaderKey reads the key from the first of the named headers present, and
@@ -89,9 +108,17 @@ func bodyIDKey(r *http.Request, body []byte) (string, string, error) {
 	return ev.ID, ev.Type, nil
 }
 
-// RequestFingerprint is SHA-256 over method, path and body.
+// RequestFingerprint is SHA-256 over method, path, body and query
+// string: the same key with ?amount=1000 after ?amount=1 is a mismatch
+// (422). A request without a query fingerprints as before the query was
+// covered; on a mismatch the middleware also tries that form (method,
+// path and body), so a retry of a request stored by an earlier version
+// still matches.
 func RequestFingerprint(r *http.Request, body []byte) string {
-	return idem.Fingerprint([]byte(r.Method), []byte(r.URL.Path), body)
+	if r.URL.RawQuery == "" || r.Context().Value(legacyFingerprintKey{}) != nil {
+		return idem.Fingerprint([]byte(r.Method), []byte(r.URL.Path), body)
+	}
+	return idem.Fingerprint([]byte(r.Method), []byte(r.URL.Path), body, []byte("?"+r.URL.RawQuery))
 }
 
 // BodyFingerprint is SHA-256 of the body alone (senders redeliver to the

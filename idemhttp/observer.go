@@ -18,7 +18,8 @@ const (
 	AnswerMismatch Answer = "mismatch"
 	// AnswerFailed: the key's work failed permanently before (422).
 	AnswerFailed Answer = "failed"
-	// AnswerRefused: the signature was missing or wrong; nothing claimed.
+	// AnswerRefused: the signature was missing or wrong, or Config.Scope
+	// named no principal (401); nothing claimed.
 	AnswerRefused Answer = "refused"
 	// AnswerBadRequest: no usable key or body (400, 413); nothing claimed.
 	AnswerBadRequest Answer = "bad_request"
@@ -32,6 +33,10 @@ const (
 	// wrote one, else 409 with Retry-After (the retry gets the other run's
 	// answer). Nothing of this run is stored.
 	AnswerLeaseLost Answer = "lease_lost"
+	// AnswerTimedOut: the handler returned on HandlerTimeout's cancelled
+	// context without answering; the key was released (503 with
+	// Retry-After).
+	AnswerTimedOut Answer = "timed_out"
 	// AnswerUnavailable: the idempotency store failed before the handler
 	// ran (503); the sender retries.
 	AnswerUnavailable Answer = "unavailable"

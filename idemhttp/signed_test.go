@@ -376,6 +376,8 @@ func TestOneEndpointPerSource(t *testing.T) {
 		cfg.Client = c
 		if p != nil {
 			cfg = cfg.Apply(p)
+		} else {
+			cfg.Scope = idemhttp.Unscoped
 		}
 		mw, err := idemhttp.New(cfg)
 		if err != nil {

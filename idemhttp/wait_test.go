@@ -63,7 +63,7 @@ func TestWaitForOriginal(t *testing.T) {
 				finished.Store(time.Now().UnixNano())
 				fmt.Fprintf(w, "run %d\n", n)
 			})
-			mw, err := idemhttp.New(idemhttp.Config{Client: c, Source: "api", Wait: tc.wait})
+			mw, err := idemhttp.New(idemhttp.Config{Client: c, Source: "api", Wait: tc.wait, Scope: idemhttp.Unscoped})
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -170,7 +170,7 @@ func TestNoSecretsAtRest(t *testing.T) {
 	}
 	start(t, in, 2, nil)
 	for _, preset := range []string{"github", "ietf"} {
-		cfg := idemhttp.Config{Client: testdb.Client(t, pool, nil), Async: in, Source: "api"}
+		cfg := idemhttp.Config{Client: testdb.Client(t, pool, nil), Async: in, Source: "api", Scope: idemhttp.Unscoped}
 		if preset == "github" {
 			cfg.Source = ""
 			cfg = cfg.Apply(idemhttp.GitHub(bodySecret))

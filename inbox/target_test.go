@@ -43,7 +43,7 @@ func TestFromHTTPRequestTarget(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	async, err := in.HTTP(idemhttp.Config{Client: testdb.Client(t, pool, nil), Source: "tenants"}, h)
+	async, err := in.HTTP(idemhttp.Config{Client: testdb.Client(t, pool, nil), Source: "tenants", Scope: idemhttp.Unscoped}, h)
 	if err != nil {
 		t.Fatal(err)
 	}

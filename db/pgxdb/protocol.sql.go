@@ -451,6 +451,32 @@ func (q *Queries) FailBatch(ctx context.Context, arg FailBatchParams) ([]FailBat
 	return items, nil
 }
 
+const failMomentary = `-- name: FailMomentary :one
+SELECT idem.fail($1::text, $2::text, $3::bigint,
+                 $4::text, NULL::boolean)::text AS outcome
+`
+
+type FailMomentaryParams struct {
+	Source string
+	Key    string
+	Token  int64
+	Error  *string
+}
+
+// A failure about the moment, not the work (migration 20): released, and
+// not counted as an attempt. An earlier schema takes NULL as retryable.
+func (q *Queries) FailMomentary(ctx context.Context, arg FailMomentaryParams) (string, error) {
+	row := q.db.QueryRow(ctx, failMomentary,
+		arg.Source,
+		arg.Key,
+		arg.Token,
+		arg.Error,
+	)
+	var outcome string
+	err := row.Scan(&outcome)
+	return outcome, err
+}
+
 const missingFunctions = `-- name: MissingFunctions :one
 SELECT coalesce(string_agg(f.sig, '; '), '')::text AS missing
   FROM unnest(string_to_array($1::text, ';')) AS f(sig)

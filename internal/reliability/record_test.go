@@ -38,7 +38,7 @@ func TestSenderHangsUpMidHandler(t *testing.T) {
 		w.Header().Set("Content-Type", "application/json")
 		fmt.Fprint(w, `{"paid":true}`)
 	})
-	mw, err := idemhttp.New(idemhttp.Config{Client: testdb.Client(t, pool, nil), Source: "sender", Lease: 2 * time.Second})
+	mw, err := idemhttp.New(idemhttp.Config{Client: testdb.Client(t, pool, nil), Source: "sender", Lease: 2 * time.Second, Scope: idemhttp.Unscoped})
 	if err != nil {
 		t.Fatal(err)
 	}

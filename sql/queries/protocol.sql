@@ -45,6 +45,12 @@ SELECT idem.complete_unstored(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.
 SELECT idem.fail(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.arg(token)::bigint,
                  sqlc.narg(error)::text, sqlc.arg(retryable)::boolean)::text AS outcome;
 
+-- name: FailMomentary :one
+-- A failure about the moment, not the work (migration 20): released, and
+-- not counted as an attempt. An earlier schema takes NULL as retryable.
+SELECT idem.fail(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.arg(token)::bigint,
+                 sqlc.narg(error)::text, NULL::boolean)::text AS outcome;
+
 -- name: Extend :one
 SELECT e.outcome::text                AS outcome,
        e.lease_expires_at::timestamptz AS lease_expires_at

@@ -28,6 +28,8 @@ BEGIN
                                            ['-infinity'::date, 'infinity'::date]] LOOP
         UPDATE idem.processed_events e
            SET status = 'failed', retryable = coalesce(fail.retryable, true),
+               -- (version 20) NULL: momentary, the claim's attempt taken back.
+               attempts = CASE WHEN fail.retryable IS NULL THEN greatest(e.attempts - 1, 0) ELSE e.attempts END,
                last_error = v_error, lease_expires_at = NULL, updated_at = v_now
          WHERE e.source = fail.source AND e.key = fail.key
            AND e.first_seen_month >= v_window[1] AND e.first_seen_month <= v_window[2]
