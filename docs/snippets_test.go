@@ -7,7 +7,6 @@ package docs
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"log"
 	"net/http"
@@ -20,7 +19,6 @@ import (
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/idemhttp"
 	"github.com/idemkit/idem/inbox"
-	"github.com/idemkit/idem/migrate"
 )
 
 // What the blocks take for granted.
@@ -50,7 +48,6 @@ func _(ctx context.Context, pool *pgxpool.Pool, c *idem.Client) { readmeInbox(ct
 func _(ctx context.Context, w http.ResponseWriter)              { readmeDo(ctx, w) }
 func _(ctx context.Context, pool *pgxpool.Pool, c *idem.Client) { readmeTx(ctx, pool, c) }
 func _(ctx context.Context, c *idem.Client)                     { readmeEffects(ctx, c) }
-func _(ctx context.Context) error                               { return readmeMigrate(ctx) }
 func _(ctx context.Context, c *idem.Client)                     { effectsDoc(ctx, c) }
 func _(ctx context.Context)                                     { httpDoc(ctx) }
 func _(ctx context.Context, pool *pgxpool.Pool, c *idem.Client) { inboxDoc(ctx, pool, c) }
@@ -125,12 +122,7 @@ func readmeEffects(ctx context.Context, c *idem.Client) {
 	useAll(res, err)
 }
 
-// README.md, migrations from Go.
-func readmeMigrate(ctx context.Context) error {
-	db, _ := sql.Open("pgx", os.Getenv("DATABASE_URL"))
-	_, err := migrate.Up(ctx, db) // github.com/idemkit/idem/migrate; files in migrate.FS()
-	return err
-}
+// README.md's migrations from Go is a whole program: docs/snippets/migrateup.
 
 // README.md, River's migrations for the inbox.
 func readmeMigrateInbox(ctx context.Context, pool *pgxpool.Pool) error {
