@@ -68,7 +68,7 @@ func benchInbox(ctx context.Context, e *env, o options, t *table) error {
 	var ratios, idemRates, riverRates []float64
 	for range o.rounds {
 		handled.Store(0)
-		wc, err := in.NewWorkerClient(50, &river.Config{Logger: quietLogger()})
+		wc, err := in.NewWorkerClient(0, &river.Config{Logger: quietLogger()}) // as many as the pool serves
 		if err != nil {
 			return err
 		}

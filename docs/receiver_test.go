@@ -12,15 +12,16 @@ import (
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/idemhttp"
 	"github.com/idemkit/idem/idemhttp/idemtest"
-	"github.com/idemkit/idem/internal/testdb"
+	"github.com/idemkit/idem/testpg"
 )
 
-func TestMain(m *testing.M) { testdb.Main(m) }
+// TestMain starts a throwaway PostgreSQL (or uses $IDEM_TEST_DATABASE_URL's).
+func TestMain(m *testing.M) { testpg.Main(m) }
 
-// newTestPool is the receiver's own test database: here a fresh one with
-// idem's migrations and the receiver's table.
+// newTestPool is the receiver's own test database: a fresh one for each
+// test, with idem's migrations applied, and the receiver's table.
 func newTestPool(t *testing.T) *pgxpool.Pool {
-	pool := testdb.Pool(t, testdb.New(t), 24)
+	pool := testpg.Pool(t, testpg.New(t), 24)
 	if _, err := pool.Exec(context.Background(), `CREATE TABLE payments (invoice_id text PRIMARY KEY, cents bigint NOT NULL)`); err != nil {
 		t.Fatal(err)
 	}

@@ -7,7 +7,6 @@ package docs
 
 import (
 	"context"
-	"database/sql"
 	"errors"
 	"log"
 	"net/http"
@@ -21,7 +20,6 @@ import (
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/idemhttp"
 	"github.com/idemkit/idem/inbox"
-	"github.com/idemkit/idem/migrate"
 )
 
 // What the blocks take for granted.
@@ -51,10 +49,10 @@ func _(ctx context.Context, pool *pgxpool.Pool, c *idem.Client) { readmeInbox(ct
 func _(ctx context.Context, w http.ResponseWriter)              { readmeDo(ctx, w) }
 func _(ctx context.Context, pool *pgxpool.Pool, c *idem.Client) { readmeTx(ctx, pool, c) }
 func _(ctx context.Context, c *idem.Client)                     { readmeEffects(ctx, c) }
-func _(ctx context.Context) error                               { return readmeMigrate(ctx) }
 func _(ctx context.Context, c *idem.Client)                     { effectsDoc(ctx, c) }
 func _(ctx context.Context)                                     { httpDoc(ctx) }
 func _(ctx context.Context, pool *pgxpool.Pool, c *idem.Client) { inboxDoc(ctx, pool, c) }
+func _(ctx context.Context, pool *pgxpool.Pool, c *idem.Client) { inboxDocSplit(ctx, pool, c) }
 func _(ctx context.Context, pool *pgxpool.Pool, c *idem.Client) { inboxDocHandler(ctx, pool, c) }
 func _(c *idem.Client)                                          { sendersDoc(c, "", "", nil, nil) }
 func _(c *idem.Client)                                          { sendersTwilioDoc(c, "") }
@@ -104,7 +102,7 @@ func readmeInbox(ctx context.Context, pool *pgxpool.Pool, c *idem.Client) {
 	in, _ := inbox.New(inbox.Config{Pool: pool})
 	stripe, _ := in.HTTP(idemhttp.Config{Client: c}.Apply(idemhttp.Stripe(secret)), handler) // verify, accept, 202; the worker runs handler
 	http.Handle("POST /webhooks/stripe", stripe)
-	workers, _ := in.NewWorkerClient(50, nil) // River: retries with backoff, dead letter, rescue
+	workers, _ := in.NewWorkerClient(0, nil) // River: retries, dead letter, rescue; as many handlers as the pool serves
 	_ = workers.Start(ctx)
 }
 
@@ -127,12 +125,7 @@ func readmeEffects(ctx context.Context, c *idem.Client) {
 	useAll(res, err)
 }
 
-// README.md, migrations from Go.
-func readmeMigrate(ctx context.Context) error {
-	db, _ := sql.Open("pgx", os.Getenv("DATABASE_URL"))
-	_, err := migrate.Up(ctx, db) // github.com/idemkit/idem/migrate; files in migrate.FS()
-	return err
-}
+// README.md's migrations from Go is a whole program: docs/snippets/migrateup.
 
 // README.md, River's migrations for the inbox.
 func readmeMigrateInbox(ctx context.Context, pool *pgxpool.Pool) error {
@@ -208,13 +201,28 @@ func sendersTwilioDoc(c *idem.Client, authToken string) {
 // docs/inbox.md, the setup.
 func inboxDoc(ctx context.Context, pool *pgxpool.Pool, c *idem.Client) {
 	in, err := inbox.New(inbox.Config{Pool: pool})
-	// Web side: verify, accept and answer 202. Worker side: run handler (the
-	// http.Handler a synchronous middleware would wrap) for stripe's events.
+	// One process, both sides: verify, accept and answer 202 (web side), and
+	// run handler (the http.Handler a synchronous middleware would wrap) for
+	// stripe's events (worker side).
 	stripe, err := in.HTTP(idemhttp.Config{Client: c}.Apply(idemhttp.Stripe(secret)), handler)
 	http.Handle("POST /webhooks/stripe", stripe)
-	// Worker process (or the same one): up to 50 handlers at once, as many as
-	// its pool serves (pool_max_conns=102 for 50; see "Sizing the pool").
-	workers, err := in.NewWorkerClient(50, nil) // a River client working the inbox queue
+	// As many handlers at once as the pool serves (see "Sizing the pool").
+	workers, err := in.NewWorkerClient(0, nil) // a River client working the inbox queue
+	err = workers.Start(ctx)
+	useAll(err)
+}
+
+// docs/inbox.md, separate web and worker processes.
+func inboxDocSplit(ctx context.Context, pool *pgxpool.Pool, c *idem.Client) {
+	// The web process: verify, accept, answer 202. It routes nothing.
+	in, err := inbox.New(inbox.Config{Pool: pool})
+	stripe, err := in.Middleware(idemhttp.Config{Client: c}.Apply(idemhttp.Stripe(secret)))
+	http.Handle("POST /webhooks/stripe", stripe(http.NotFoundHandler()))
+
+	// The worker process: run handler for stripe's events. No HTTP server.
+	worker, err := inbox.New(inbox.Config{Pool: pool})
+	err = worker.HandleHTTP("stripe", handler)
+	workers, err := worker.NewWorkerClient(0, nil)
 	err = workers.Start(ctx)
 	useAll(err)
 }

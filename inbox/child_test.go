@@ -68,7 +68,7 @@ func child() int {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
-	rc, err := in.NewWorkerClient(4, &river.Config{JobTimeout: 2 * time.Second, RescueStuckJobsAfter: 3 * time.Second})
+	rc, err := in.NewWorkerClient(0, &river.Config{JobTimeout: 2 * time.Second, RescueStuckJobsAfter: 3 * time.Second})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1

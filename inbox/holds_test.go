@@ -47,7 +47,7 @@ func balanced(t *testing.T, in *inbox.Inbox, source string) inbox.SourceStats {
 
 // TestDocumentedSetup: the setup exactly as README and docs/inbox.md show
 // it: pgxpool.New on the URL (its default MaxConns: 4 on 2 CPUs), the
-// Stripe preset in asynchronous mode, NewWorkerClient(50, nil), a handler
+// Stripe preset in asynchronous mode, NewWorkerClient(0, nil), a handler
 // that runs an Effect. 100 deliveries over real HTTP are each processed
 // once, their effect run once, within a minute (waitFor's bound). And
 // with a 16-connection pool (the default on 16 CPUs), the same.
@@ -97,7 +97,7 @@ func TestDocumentedSetup(t *testing.T) {
 			}
 			srv := httptest.NewServer(mw(http.NotFoundHandler()))
 			defer srv.Close()
-			workers, err := in.NewWorkerClient(50, nil)
+			workers, err := in.NewWorkerClient(0, nil)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -148,8 +148,10 @@ func TestDocumentedSetup(t *testing.T) {
 }
 
 // TestWorkerPoolSizing: NewWorkerClient never runs more handlers than the
-// pool can serve, refuses a pool too small for one, and refuses a
-// JobTimeout that turns River's rescue off.
+// pool can serve: 0 runs what the pool serves, and more than that is
+// refused with the pool_max_conns to set (never lowered with only a log
+// line); it refuses a pool too small for one, and a JobTimeout that turns
+// River's rescue off.
 func TestWorkerPoolSizing(t *testing.T) {
 	t.Parallel()
 	url, _ := setup(t)
@@ -167,11 +169,21 @@ func TestWorkerPoolSizing(t *testing.T) {
 	var logs testdb.Buffer
 	pool := testdb.Pool(t, url, 6)
 	in, _ = inbox.New(inbox.Config{Pool: pool, Handler: handler, Logger: slogTo(&logs)})
-	if _, err := in.NewWorkerClient(50, nil); err != nil {
+	// More handlers than the pool serves: refused, with the exact setting
+	// (never lowered with only a log line).
+	if _, err := in.NewWorkerClient(50, nil); !errors.Is(err, inbox.ErrPoolTooSmall) || !strings.Contains(err.Error(), "set pool_max_conns=102") ||
+		!strings.Contains(err.Error(), "the pool has 6") || !strings.Contains(err.Error(), "ask for at most 2") {
+		t.Errorf("50 handlers on a pool of 6: %v, want ErrPoolTooSmall naming pool_max_conns=102", err)
+	}
+	// 0: what the pool serves, said with the numbers.
+	if _, err := in.NewWorkerClient(0, nil); err != nil {
 		t.Fatal(err)
 	}
-	if !strings.Contains(logs.String(), "a pool of 6 connections serves 2 at once") || !strings.Contains(logs.String(), "pool_max_conns=102") {
-		t.Errorf("no warning naming the numbers: %q", logs.String())
+	if !strings.Contains(logs.String(), "running 2 handlers at once, what a pool of 6 connections serves") {
+		t.Errorf("no log naming the numbers: %q", logs.String())
+	}
+	if _, err := in.NewWorkerClient(2, nil); err != nil {
+		t.Errorf("2 handlers on a pool of 6: %v", err)
 	}
 	if _, err := in.NewWorkerClient(1, &river.Config{JobTimeout: -1}); !errors.Is(err, inbox.ErrInvalidConfig) || !strings.Contains(err.Error(), "never rescues") {
 		t.Errorf("JobTimeout -1: %v, want it refused", err)

@@ -47,7 +47,9 @@ const (
 	DefaultQueue       = "idem_inbox"
 	DefaultMaxAttempts = 10
 	DefaultRunLease    = 2 * time.Minute
-	DefaultMaxWorkers  = 50
+	// DefaultMaxWorkers bounds NewWorkerClient(0, ...): as many handlers
+	// as the pool serves, at most this many.
+	DefaultMaxWorkers = 50
 	// DefaultRepairEvery is how often a worker client looks for queued
 	// events whose job can no longer run them (Repair).
 	DefaultRepairEvery = time.Minute
@@ -116,7 +118,7 @@ type Config struct {
 	// Idem is the idem client (over Pool). Default: idem.New(Pool, nil).
 	Idem *idem.Client
 	// Handler processes the deliveries of every source that has no handler
-	// of its own (Inbox.HTTP, Inbox.Handle). A worker (NewWorkerClient,
+	// of its own (Inbox.HandleHTTP, Inbox.HTTP, Inbox.Handle). A worker (NewWorkerClient,
 	// AddWorker) needs it or at least one routed source; accepting does
 	// not. Default: none.
 	Handler Handler

@@ -113,3 +113,65 @@ func TestOneLineSetup(t *testing.T) {
 		t.Errorf("a worker with no handler at all: %v", err)
 	}
 }
+
+// TestWorkerOnlyProcess: the two sides of the asynchronous setup, each
+// explicit, in two "processes" (two inboxes on one database): the web side
+// (Middleware) verifies, accepts and answers 202 and routes nothing, so it
+// has no worker to run; the worker side (HandleHTTP) runs the source's
+// handler for each accepted delivery, and builds no HTTP handler.
+func TestWorkerOnlyProcess(t *testing.T) {
+	t.Parallel()
+	_, pool := setup(t)
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	web, err := inbox.New(inbox.Config{Pool: pool})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mw, err := web.Middleware(idemhttp.Config{Client: c}.Apply(idemhttp.Stripe("whsec_split")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(mw(http.NotFoundHandler()))
+	t.Cleanup(srv.Close)
+	if _, err := web.NewWorkerClient(0, nil); !errors.Is(err, inbox.ErrNoHandler) {
+		t.Fatalf("the web side registered a route: NewWorkerClient = %v, want ErrNoHandler", err)
+	}
+
+	runs := idemtest.Count(nil)
+	worker, err := inbox.New(inbox.Config{Pool: pool})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := worker.HandleHTTP("stripe", runs); err != nil {
+		t.Fatal(err)
+	}
+	start(t, worker, 0, nil)
+
+	stripe := idemtest.Stripe("whsec_split")
+	var evs []*idemtest.Delivery
+	for range 3 {
+		ev := stripe.Event("invoice.paid", "")
+		evs = append(evs, ev)
+		if codes := idemtest.Fire(t, srv.URL, ev, 4); slices.ContainsFunc(codes, func(c int) bool { return c != http.StatusAccepted }) {
+			t.Fatalf("answers %v, want 202 each", codes)
+		}
+	}
+	runs.WaitRuns(t, 3, time.Minute)
+	runs.AssertOnce(t, evs...)
+
+	for _, bad := range []struct {
+		source string
+		h      http.Handler
+	}{{"", runs}, {"github", nil}, {"stripe", runs}} {
+		if err := worker.HandleHTTP(bad.source, bad.h); !errors.Is(err, inbox.ErrInvalidConfig) {
+			t.Errorf("HandleHTTP(%q, %v): %v, want ErrInvalidConfig", bad.source, bad.h, err)
+		}
+	}
+	other, _ := inbox.New(inbox.Config{Pool: pool})
+	if _, err := worker.Middleware(idemhttp.Config{Client: c, Async: other}.Apply(idemhttp.Stripe("s"))); !errors.Is(err, inbox.ErrInvalidConfig) {
+		t.Errorf("Middleware with another inbox as Async: %v", err)
+	}
+}

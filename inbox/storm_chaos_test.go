@@ -71,7 +71,7 @@ func stormWorker() int {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
-	rc, err := in.NewWorkerClient(50, &river.Config{JobTimeout: 2 * time.Second, RescueStuckJobsAfter: 3 * time.Second,
+	rc, err := in.NewWorkerClient(0, &river.Config{JobTimeout: 2 * time.Second, RescueStuckJobsAfter: 3 * time.Second,
 		Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)

@@ -54,15 +54,16 @@ func (in *Inbox) AddWorker(workers *river.Workers) error {
 }
 
 // NewWorkerClient returns a River client that works the inbox queue with
-// up to maxWorkers handlers at once (0: DefaultMaxWorkers); call its Start
-// and, on shutdown, Stop. base, when not nil, supplies the rest of River's
-// configuration (its Workers and Queues are replaced).
+// maxWorkers handlers at once; call its Start and, on shutdown, Stop. base,
+// when not nil, supplies the rest of River's configuration (its Workers
+// and Queues are replaced).
 //
-// Handlers run at most WorkerCapacity(pool's MaxConns) at once: a larger
-// maxWorkers is lowered to that, with a warning that names the numbers
-// (never more handlers than the pool can serve, so none waits for a
-// connection forever), and a pool too small for one handler is
-// ErrPoolTooSmall. Defaults that differ from River's, for the inbox:
+// The pool decides what can run: maxWorkers 0 runs as many handlers as
+// the pool serves (WorkerCapacity of its MaxConns, at most
+// DefaultMaxWorkers), logged with the numbers; a maxWorkers the pool
+// cannot serve is refused (ErrPoolTooSmall) with the exact pool_max_conns
+// to set, never silently lowered; a pool too small for one handler is
+// ErrPoolTooSmall too. Defaults that differ from River's, for the inbox:
 // dead letters (discarded and cancelled jobs, which hold the payloads
 // replay needs) are kept until replayed (retention -1), River's reindexer
 // does not run (it needs to own River's tables, which a least-privilege
@@ -73,11 +74,8 @@ func (in *Inbox) NewWorkerClient(maxWorkers int, base *river.Config) (*river.Cli
 	if !in.canWork() {
 		return nil, ErrNoHandler
 	}
-	if maxWorkers == 0 {
-		maxWorkers = DefaultMaxWorkers
-	}
 	if maxWorkers < 0 {
-		return nil, fmt.Errorf("%w: maxWorkers %d must not be negative (0 for %d)", ErrInvalidConfig, maxWorkers, DefaultMaxWorkers)
+		return nil, fmt.Errorf("%w: maxWorkers %d must not be negative (0: as many as the pool serves)", ErrInvalidConfig, maxWorkers)
 	}
 	maxConns := in.cfg.Pool.Config().MaxConns
 	capacity := WorkerCapacity(maxConns)
@@ -85,10 +83,15 @@ func (in *Inbox) NewWorkerClient(maxWorkers int, base *river.Config) (*river.Cli
 		return nil, fmt.Errorf("%w: MaxConns is %d; a worker needs %d for River and %d per handler, so at least %d (pool_max_conns=%d in the URL)",
 			ErrPoolTooSmall, maxConns, RiverConns, HandlerConns, RiverConns+HandlerConns, RiverConns+HandlerConns)
 	}
-	if maxWorkers > capacity {
-		in.cfg.Logger.Warn(fmt.Sprintf("inbox: %d workers asked for, but a pool of %d connections serves %d at once ((%d - %d for River) / %d per handler); running %d. For %d, set pool_max_conns=%d",
-			maxWorkers, maxConns, capacity, maxConns, RiverConns, HandlerConns, capacity, maxWorkers, RiverConns+HandlerConns*maxWorkers))
-		maxWorkers = capacity
+	switch {
+	case maxWorkers == 0:
+		maxWorkers = min(capacity, DefaultMaxWorkers)
+		in.cfg.Logger.Info(fmt.Sprintf("inbox: running %d handlers at once, what a pool of %d connections serves ((%d - %d for River) / %d per handler); for n at once, set pool_max_conns=%d+%d*n",
+			maxWorkers, maxConns, maxConns, RiverConns, HandlerConns, RiverConns, HandlerConns))
+	case maxWorkers > capacity:
+		return nil, fmt.Errorf("%w: %d handlers at once need %d connections (%d for River and %d per handler), and the pool has %d: set pool_max_conns=%d in the database URL (or pgxpool.Config.MaxConns = %d), or ask for at most %d (0: as many as the pool serves)",
+			ErrPoolTooSmall, maxWorkers, RiverConns+HandlerConns*maxWorkers, RiverConns, HandlerConns, maxConns,
+			RiverConns+HandlerConns*maxWorkers, RiverConns+HandlerConns*maxWorkers, capacity)
 	}
 	cfg := river.Config{Logger: quiet(in.cfg.Logger)}
 	if base != nil {

@@ -52,7 +52,7 @@ require (
 	go.yaml.in/yaml/v3 v3.0.5 // indirect
 	golang.org/x/sync v0.24.0 // indirect
 	golang.org/x/sys v0.49.0 // indirect
-	golang.org/x/text v0.43.0 // indirect
+	golang.org/x/text v0.43.0
 	google.golang.org/protobuf v1.36.12 // indirect
 )
 
@@ -63,4 +63,7 @@ require (
 	github.com/idemkit/idem/idemhttp v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/idemprom v0.0.0-00010101000000-000000000000
 	github.com/idemkit/idem/inbox v0.0.0-00010101000000-000000000000
+	github.com/inconshreveable/mousetrap v1.1.0 // indirect
+	github.com/spf13/cobra v1.10.2
+	github.com/spf13/pflag v1.0.10
 )

@@ -36,8 +36,10 @@ func PgBouncer(t testing.TB, dbname string) string {
 	}
 	host := cfg.Host
 	port := cfg.Port
-	if c := server.cluster; c != nil {
-		host, port = "127.0.0.1", uint16(c.Port)
+	if strings.HasPrefix(host, "/") {
+		// The throwaway cluster's socket: PgBouncer connects over TCP,
+		// on which the cluster listens too (same port).
+		host = "127.0.0.1"
 	}
 	// Not t.TempDir(): its parent is private to root, and PgBouncer runs as
 	// the postgres user.

@@ -19,6 +19,7 @@ import (
 
 	"github.com/idemkit/idem/examples/webhook-receiver/receiver"
 	"github.com/idemkit/idem/internal/testdb"
+	"github.com/idemkit/idem/testpg"
 )
 
 func TestMain(m *testing.M) {
@@ -54,8 +55,8 @@ type world struct {
 
 func newWorld(t *testing.T) *world {
 	t.Helper()
-	w := &world{url: testdb.New(t), stub: &receiver.Stub{}}
-	w.pool = testdb.Pool(t, w.url, 16)
+	w := &world{url: testpg.New(t), stub: &receiver.Stub{}}
+	w.pool = testpg.Pool(t, w.url, 16)
 	if err := receiver.Setup(context.Background(), w.pool); err != nil {
 		t.Fatal(err)
 	}

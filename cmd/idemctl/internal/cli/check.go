@@ -5,6 +5,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/idemkit/idem"
+	"github.com/jackc/pgx/v5"
+	"github.com/spf13/cobra"
 	"strings"
 	"time"
 
@@ -14,9 +17,7 @@ import (
 	"github.com/idemkit/idem/inbox"
 )
 
-func init() {
-	register(command{name: "check", summary: "health check: premade partitions, default-partition rows, expired backlog, stuck leases (exit 5 when unhealthy)", run: runCheck})
-}
+func init() { register(newCheckCmd) }
 
 type checkConfig struct {
 	minPremade int
@@ -34,12 +35,44 @@ type health struct {
 	Expired     int64 `json:"expired_rows"`
 	Stuck       int64 `json:"stuck_leases"`
 	// Inbox: the inbox's reconciliation per source (when it is used).
-	Inbox    []inbox.SourceStats `json:"inbox,omitempty"`
-	Problems []string            `json:"problems"`
+	Inbox []inbox.SourceStats `json:"inbox,omitempty"`
+	// StuckKeys names the oldest stuck keys (at most stuckNamed).
+	StuckKeys []stuckKey `json:"stuck_keys,omitempty"`
+	// DeadLetters names the inbox's dead letters, per source: not a fault
+	// of the installation, but events an operator must look at (exit 7
+	// when nothing else is wrong).
+	DeadLetters []deadLetters `json:"dead_letters,omitempty"`
+	Problems    []string      `json:"problems"`
+	Attention   []string      `json:"attention"`
 }
 
-func runCheck(ctx context.Context, io IO, g *globals, args []string) error {
-	fs := newFlagSet("check", io, g)
+// stuckKey is one key stuck in processing, and since when.
+type stuckKey struct {
+	Source     string    `json:"source"`
+	Key        string    `json:"key"`
+	LeaseEnded time.Time `json:"lease_ended"`
+}
+
+// deadLetters are one source's dead letters: how many, since when, and
+// the first few keys.
+type deadLetters struct {
+	Source string    `json:"source"`
+	Count  int64     `json:"count"`
+	Oldest time.Time `json:"oldest"`
+	Keys   []string  `json:"keys"`
+}
+
+// stuckNamed and deadNamed: how many keys check names per problem.
+const (
+	stuckNamed = 5
+	deadNamed  = 3
+)
+
+func newCheckCmd(a *app) *cobra.Command {
+	cmd := &cobra.Command{Use: "check", Short: "health check: premade partitions, default-partition rows, expired backlog, stuck leases (exit 5 when unhealthy)", Args: cobra.ArbitraryArgs,
+		Example: `  idemctl check
+  idemctl check --max-expired 5000000 --stuck-grace 30m --json`}
+	fs := cmd.Flags()
 	var c checkConfig
 	fs.IntVar(&c.minPremade, "min-premade", 2, "unhealthy when fewer months after the current one have a partition")
 	fs.Int64Var(&c.maxExpired, "max-expired", 1_000_000, "unhealthy when more expired rows wait for prune")
@@ -47,46 +80,51 @@ func runCheck(ctx context.Context, io IO, g *globals, args []string) error {
 	fs.DurationVar(&c.stuckGrace, "stuck-grace", 10*time.Minute, "a key is stuck when its lease ended this long ago and nobody re-acquired it")
 	fs.StringVar(&c.riverSchema, "river-schema", "", "the schema of River's tables, for the inbox's reconciliation (default: the search_path)")
 	asJSON := fs.Bool("json", false, "print JSON")
-	if err := fs.parse(args); err != nil {
-		return err
-	}
-	if fs.NArg() > 0 {
-		return usageErr("check takes no arguments, got %q", fs.Args())
-	}
-	if c.minPremade < 0 || c.maxExpired < 0 || c.maxStuck < 0 || c.stuckGrace < 0 {
-		return usageErr("check thresholds must not be negative")
-	}
-	if _, err := g.logger(io.Err); err != nil {
-		return err
-	}
-	pool, err := g.connectMigrated(ctx, io.Env, 2)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	h, err := measure(ctx, pool, c)
-	if err != nil {
-		return err
-	}
-	if *asJSON {
-		enc := json.NewEncoder(io.Out)
-		enc.SetIndent("", "  ")
-		if err := enc.Encode(h); err != nil {
+	cmd.RunE = func(_ *cobra.Command, args []string) error {
+		ctx, io, g := a.ctx, a.io, &a.g
+		_, _ = ctx, g
+		if len(args) > 0 {
+			return usageErr("check takes no arguments, got %q", args)
+		}
+		if c.minPremade < 0 || c.maxExpired < 0 || c.maxStuck < 0 || c.stuckGrace < 0 {
+			return usageErr("check thresholds must not be negative")
+		}
+		if _, err := g.logger(io.Err); err != nil {
 			return err
 		}
-	} else if len(h.Problems) == 0 {
-		fmt.Fprintf(io.Out, "healthy: %d months premade, %d rows in the default partition, %d expired rows waiting, %d stuck leases\n",
-			h.MonthsAhead, h.DefaultRows, h.Expired, h.Stuck)
+		pool, err := g.connectMigrated(ctx, io.Env, 2)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		h, err := measure(ctx, pool, c)
+		if err != nil {
+			return err
+		}
+		if *asJSON {
+			enc := json.NewEncoder(io.Out)
+			enc.SetIndent("", "  ")
+			if err := enc.Encode(h); err != nil {
+				return err
+			}
+		} else if len(h.Problems) == 0 {
+			fmt.Fprintf(io.Out, "healthy: %d months premade, %s rows in the default partition, %s expired rows waiting, %s stuck leases\n",
+				h.MonthsAhead, human(h.DefaultRows), human(h.Expired), human(h.Stuck))
+		}
+		if len(h.Problems) > 0 {
+			return withCode(ExitUnhealthy, errors.New("unhealthy: "+strings.Join(append(h.Problems, h.Attention...), "; ")))
+		}
+		if len(h.Attention) > 0 {
+			return withCode(ExitDeadLetters, errors.New("attention: "+strings.Join(h.Attention, "; ")))
+		}
+		return nil
 	}
-	if len(h.Problems) > 0 {
-		return withCode(ExitUnhealthy, errors.New("unhealthy: "+strings.Join(h.Problems, "; ")))
-	}
-	return nil
+	return cmd
 }
 
 func measure(ctx context.Context, pool *pgxpool.Pool, c checkConfig) (*health, error) {
 	q := pgxdb.New(pool)
-	h := &health{Problems: []string{}}
+	h := &health{Problems: []string{}, Attention: []string{}}
 	hasCurrent, ahead, err := monthsAhead(ctx, q)
 	if err != nil {
 		return nil, err
@@ -124,7 +162,12 @@ func measure(ctx context.Context, pool *pgxpool.Pool, c checkConfig) (*health, e
 		return nil, err
 	}
 	if h.Stuck > c.maxStuck {
-		h.Problems = append(h.Problems, fmt.Sprintf("%d keys stuck in processing more than %s past their lease (threshold %d): workers died and no redelivery came", h.Stuck, c.stuckGrace, c.maxStuck))
+		if h.StuckKeys, err = stuckKeys(ctx, pool, c.stuckGrace); err != nil {
+			return nil, err
+		}
+		h.Problems = append(h.Problems, fmt.Sprintf("%s stuck in processing more than %s past %s lease (threshold %d): %s: workers died and no redelivery came; "+
+			"`idemctl release --source S --key K` lets the next delivery run one again",
+			plural(h.Stuck, "key", "keys"), c.stuckGrace, map[bool]string{true: "its", false: "their"}[h.Stuck == 1], c.maxStuck, nameStuck(h.StuckKeys, h.Stuck)))
 	}
 	// Every event the inbox accepted is processed, dead-lettered, or
 	// queued with a job that will run it.
@@ -139,6 +182,11 @@ func measure(ctx context.Context, pool *pgxpool.Pool, c checkConfig) (*health, e
 			h.Problems = append(h.Problems, fmt.Sprintf("inbox %s: %d accepted events are unaccounted for (%s)", s.Source, s.Accepted-s.Processed-s.Dead-s.Queued, s))
 		case s.Unaccounted > 0:
 			h.Problems = append(h.Problems, fmt.Sprintf("inbox %s: %d accepted events have no job that will run them: a worker client repairs them (inbox.Repair), or replay after it dead-letters them", s.Source, s.Unaccounted))
+		}
+	}
+	if err == nil {
+		if err := deadLetterAttention(ctx, pool, c.riverSchema, ib, h); err != nil {
+			h.Problems = append(h.Problems, fmt.Sprintf("the inbox's dead letters cannot be read: %v", err))
 		}
 	}
 	// Who may do what: a role that is both, CREATE on schema idem for
@@ -182,4 +230,90 @@ func monthsAhead(ctx context.Context, q *pgxdb.Queries) (hasCurrent bool, ahead 
 		ahead++
 	}
 	return have[now.Time.Format("2006-01")], ahead, nil
+}
+
+// stuckKeys are the stuckNamed keys whose lease ended longest ago.
+func stuckKeys(ctx context.Context, pool *pgxpool.Pool, grace time.Duration) ([]stuckKey, error) {
+	rows, err := pool.Query(ctx, `SELECT e.source, e.key, e.lease_expires_at
+	  FROM idem.processed_events e
+	 WHERE e.status = 'processing'
+	   AND e.lease_expires_at < idem.clock() - $1::bigint::double precision * interval '1 millisecond'
+	 ORDER BY e.lease_expires_at, e.source, e.key
+	 LIMIT $2`, grace.Milliseconds(), stuckNamed)
+	if err != nil {
+		return nil, fmt.Errorf("name the stuck keys: %w", err)
+	}
+	keys, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (stuckKey, error) {
+		var k stuckKey
+		err := r.Scan(&k.Source, &k.Key, &k.LeaseEnded)
+		return k, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("name the stuck keys: %w", err)
+	}
+	return keys, nil
+}
+
+// nameStuck is "s/k (lease ended T), ..., and N more".
+func nameStuck(keys []stuckKey, total int64) string {
+	var parts []string
+	for _, k := range keys {
+		parts = append(parts, fmt.Sprintf("%s/%s (lease ended %s)", k.Source, idem.Quote(k.Key), k.LeaseEnded.UTC().Format(time.DateTime+"Z")))
+	}
+	if more := total - int64(len(keys)); more > 0 {
+		parts = append(parts, fmt.Sprintf("and %s more", human(more)))
+	}
+	return strings.Join(parts, ", ")
+}
+
+// deadLetterAttention names each source's dead letters in h.
+func deadLetterAttention(ctx context.Context, pool *pgxpool.Pool, riverSchema string, ib []inbox.SourceStats, h *health) error {
+	var in *inbox.Inbox
+	for _, s := range ib {
+		if s.Dead <= 0 {
+			continue
+		}
+		if in == nil {
+			var err error
+			if in, err = inbox.New(inbox.Config{Pool: pool, Schema: riverSchema}); err != nil {
+				return err
+			}
+		}
+		dead, err := in.DeadLetters(ctx, inbox.Filter{Source: s.Source, Limit: 1000})
+		if err != nil {
+			return err
+		}
+		d := deadLetters{Source: s.Source, Count: s.Dead, Keys: []string{}}
+		for i, l := range dead {
+			if i < deadNamed {
+				d.Keys = append(d.Keys, l.Key)
+			}
+			if d.Oldest.IsZero() || l.FailedAt.Before(d.Oldest) {
+				d.Oldest = l.FailedAt
+			}
+		}
+		h.DeadLetters = append(h.DeadLetters, d)
+		keys := make([]string, len(d.Keys))
+		for i, k := range d.Keys {
+			keys[i] = idem.Quote(k)
+		}
+		if more := d.Count - int64(len(keys)); more > 0 {
+			keys = append(keys, fmt.Sprintf("and %s more", human(more)))
+		}
+		since := ""
+		if !d.Oldest.IsZero() {
+			since = ", the oldest since " + d.Oldest.UTC().Format(time.DateTime+"Z")
+		}
+		h.Attention = append(h.Attention, fmt.Sprintf("inbox %s: %s%s (%s): `idemctl inbox list --source %s` shows why, `idemctl inbox replay --source %s` runs them again",
+			s.Source, plural(d.Count, "dead letter", "dead letters"), since, strings.Join(keys, ", "), shellQuote(s.Source), shellQuote(s.Source)))
+	}
+	return nil
+}
+
+// plural is "1 key", "2 keys", with separators.
+func plural(n int64, one, many string) string {
+	if n == 1 {
+		return "1 " + one
+	}
+	return human(n) + " " + many
 }

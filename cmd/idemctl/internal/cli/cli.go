@@ -1,17 +1,22 @@
 // Package cli is idemctl: every command is a function of its arguments, an
 // environment lookup and two writers, so tests run it in-process.
+//
+// The parsing, help, suggestions and shell completion are cobra's (the
+// library the GitHub and Kubernetes CLIs are built on): one command tree
+// per invocation, built by Main.
 package cli
 
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"log/slog"
-	"sort"
 	"strings"
 	"time"
+
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 )
 
 // Exit codes. They are part of idemctl's interface (docs/idemctl.md).
@@ -23,15 +28,22 @@ const (
 	ExitLocked      = 4 // another instance holds the lock (only with --fail-if-locked)
 	ExitUnhealthy   = 5 // `check` found a problem
 	ExitNotMigrated = 6 // schema idem is missing or out of date: run `idemctl migrate up`
+	ExitDeadLetters = 7 // `check` found nothing unhealthy but dead letters wait for an operator
 )
 
-// exitError carries an exit code with the one-line message for the user.
+// exitError carries an exit code with the one-line message for the user;
+// a nil err exits with the code and prints nothing more.
 type exitError struct {
 	code int
 	err  error
 }
 
-func (e *exitError) Error() string { return e.err.Error() }
+func (e *exitError) Error() string {
+	if e.err == nil {
+		return fmt.Sprintf("exit %d", e.code)
+	}
+	return e.err.Error()
+}
 func (e *exitError) Unwrap() error { return e.err }
 
 func usageErr(format string, args ...any) error {
@@ -44,6 +56,13 @@ func withCode(code int, err error) error {
 	}
 	return &exitError{code, err}
 }
+
+// ranError marks an error a command's body returned; any other error out
+// of cobra is a usage error (unknown command or flag, bad flag value).
+type ranError struct{ err error }
+
+func (e ranError) Error() string { return e.err.Error() }
+func (e ranError) Unwrap() error { return e.err }
 
 // Env is how the CLI reads the environment (os.Getenv in main, a map in tests).
 type Env func(string) string
@@ -62,7 +81,7 @@ type globals struct {
 	statementTimeout time.Duration
 }
 
-func (g *globals) register(fs *flag.FlagSet) {
+func (g *globals) register(fs *pflag.FlagSet) {
 	fs.StringVar(&g.databaseURL, "database-url", "", "PostgreSQL connection string (default: $DATABASE_URL, then the libpq PG* variables)")
 	fs.StringVar(&g.logFormat, "log-format", "text", "log format on stderr: text or json")
 	fs.DurationVar(&g.lockTimeout, "lock-timeout", 2*time.Second, "lock_timeout for DDL and deletes: how long a statement may wait for a table lock (at least 1ms)")
@@ -85,74 +104,151 @@ func (g *globals) logger(w io.Writer) (*slog.Logger, error) {
 	return nil, usageErr("--log-format must be text or json, not %q", g.logFormat)
 }
 
-// command is one idemctl subcommand.
-type command struct {
-	name    string
-	summary string
-	run     func(ctx context.Context, io IO, g *globals, args []string) error
+// app is one invocation: what every command reads.
+type app struct {
+	ctx context.Context
+	io  IO
+	g   globals
 }
 
-var commands = map[string]command{}
+// commands build idemctl's top-level commands, in the order of help.
+var commands []func(a *app) *cobra.Command
 
-func register(c command) { commands[c.name] = c }
+func register(c func(a *app) *cobra.Command) { commands = append(commands, c) }
+
+const rootLong = `idemctl operates idem, the Postgres-native idempotency kit: migrations,
+prune, partition rotation, a cron daemon with /healthz, /metrics and a
+dashboard, stats, health checks and the inbox's dead letters.
+
+Every command takes --database-url (default $DATABASE_URL, then the libpq
+PG* variables), --log-format text|json, --lock-timeout and
+--statement-timeout, before or after its name.
+
+Exit codes: 0 ok, 1 error, 2 usage, 3 database unreachable, 4 locked,
+5 unhealthy, 6 not migrated, 7 dead letters wait (check). See docs/idemctl.md.`
+
+// root builds the command tree.
+func (a *app) root() *cobra.Command {
+	var showVersion bool
+	root := &cobra.Command{
+		Use:   "idemctl",
+		Short: "operate idem, the Postgres-native idempotency kit",
+		Long:  rootLong,
+		Example: `  idemctl migrate up --database-url postgres://idem@db/app
+  idemctl check
+  idemctl completion bash > /etc/bash_completion.d/idemctl`,
+		Args: func(c *cobra.Command, args []string) error {
+			if len(args) > 0 {
+				return unknownCommand(c, args[0])
+			}
+			return nil
+		},
+		RunE: func(c *cobra.Command, args []string) error {
+			if showVersion {
+				return a.version()
+			}
+			_ = c.Help()
+			return &exitError{code: ExitUsage} // no command: the help, exit 2
+		},
+		SilenceErrors: true,
+		SilenceUsage:  true,
+		// Suggestions for a mistyped command: ours name them in one line.
+		DisableSuggestions: true,
+	}
+	root.SetOut(a.io.Out)
+	root.SetErr(a.io.Err)
+	root.SetArgs(nil)
+	a.g.register(root.PersistentFlags())
+	root.Flags().BoolVar(&showVersion, "version", false, "print idemctl's version and its modules' (and with a database URL, the schema's)")
+	root.SetFlagErrorFunc(func(c *cobra.Command, err error) error {
+		return usageErr("%v%s (run %s --help)", err, suggestFlag(c, err), c.CommandPath())
+	})
+	for _, build := range commands {
+		root.AddCommand(build(a))
+	}
+	// cobra's own help and completion commands, in idemctl's help style.
+	root.InitDefaultHelpCmd()
+	root.InitDefaultCompletionCmd()
+	for _, c := range root.Commands() {
+		switch c.Name() {
+		case "help":
+			c.Short = "help about any command"
+		case "completion":
+			c.Short = "shell completion for bash, zsh, fish or powershell: commands, flags, and sources from the database"
+			c.Example = `  source <(idemctl completion bash)
+  idemctl completion zsh > "${fpath[1]}/_idemctl"
+  idemctl completion fish > ~/.config/fish/completions/idemctl.fish`
+		}
+	}
+	wrapRun(root)
+	return root
+}
+
+// wrapRun marks every command body's errors (ranError), recursively.
+func wrapRun(c *cobra.Command) {
+	if run := c.RunE; run != nil {
+		c.RunE = func(c *cobra.Command, args []string) error {
+			if err := run(c, args); err != nil {
+				return ranError{err}
+			}
+			return nil
+		}
+	}
+	for _, sub := range c.Commands() {
+		wrapRun(sub)
+	}
+}
 
 // Main runs idemctl with args (without the program name) and returns the
 // process exit code.
 func Main(ctx context.Context, args []string, out, errw io.Writer, env Env) int {
-	io := IO{Out: out, Err: errw, Env: env}
-	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
-		printUsage(out)
-		if len(args) == 0 {
-			return ExitUsage
-		}
-		return ExitOK
-	}
-	args, err := hoistGlobals(args)
-	if err != nil {
-		return report(errw, "", err)
-	}
-	cmd, ok := commands[args[0]]
-	if !ok {
-		return report(errw, "", usageErr("unknown command %q (run idemctl help)", args[0]))
-	}
-	var g globals
-	return report(errw, args[0], cmd.run(ctx, io, &g, args[1:]))
+	a := &app{ctx: ctx, io: IO{Out: out, Err: errw, Env: env}}
+	root := a.root()
+	root.SetArgs(doubleDash(root, args))
+	cmd, err := root.ExecuteContextC(ctx)
+	return report(errw, topName(root, cmd), err)
 }
 
-// hoistGlobals moves global flags given before the command after it, so
-// that `idemctl --database-url X prune` and `idemctl prune --database-url X`
-// mean the same.
-func hoistGlobals(args []string) ([]string, error) {
-	if len(args) == 0 || !strings.HasPrefix(args[0], "-") {
-		return args, nil
+// execute runs one more idemctl command line in this process (the demo
+// prints the stats of its own database), with fresh flags.
+func (a *app) execute(args ...string) error {
+	sub := &app{ctx: a.ctx, io: a.io}
+	root := sub.root()
+	root.SetArgs(args)
+	_, err := root.ExecuteContextC(a.ctx)
+	var re ranError
+	if errors.As(err, &re) {
+		return re.err
 	}
-	var g globals
-	fs := flag.NewFlagSet("idemctl", flag.ContinueOnError)
-	fs.SetOutput(io.Discard)
-	fs.Usage = func() {}
-	g.register(fs)
-	if err := fs.Parse(args); err != nil {
-		return nil, usageErr("%v (global flags are --database-url, --log-format, --lock-timeout, --statement-timeout)", err)
+	return err
+}
+
+// topName is the top-level command's name, for the error line.
+func topName(root, cmd *cobra.Command) string {
+	if cmd == nil || cmd == root {
+		return ""
 	}
-	rest := fs.Args()
-	if len(rest) == 0 {
-		return nil, usageErr("no command given (run idemctl help)")
+	for cmd.Parent() != nil && cmd.Parent() != root {
+		cmd = cmd.Parent()
 	}
-	leading := args[:len(args)-len(rest)]
-	return append(append([]string{rest[0]}, leading...), rest[1:]...), nil
+	return cmd.Name()
 }
 
 func report(w io.Writer, name string, err error) int {
 	if err == nil {
 		return ExitOK
 	}
-	if errors.Is(err, flag.ErrHelp) {
-		return ExitOK
+	code := ExitUsage // cobra's own errors: unknown command or flag, bad value
+	var re ranError
+	if errors.As(err, &re) {
+		code = ExitError
 	}
-	code := ExitError
 	var ee *exitError
 	if errors.As(err, &ee) {
 		code = ee.code
+		if ee.err == nil {
+			return code
+		}
 	}
 	// Every error is redacted here, the one place they are printed: a
 	// password in a URL or key=value connection string, given in any flag
@@ -166,122 +262,152 @@ func report(w io.Writer, name string, err error) int {
 	return code
 }
 
-// flagSet is a command's flags; -h prints them to the command's output.
-// Flags may come before, between or after the arguments (one parser path
-// for every command: `migrate --database-url U up` and `migrate up
-// --database-url U` mean the same).
-type flagSet struct {
-	*flag.FlagSet
-	help io.Writer
-	args []string // the arguments that are not flags, in order
+// noArgs refuses arguments that are not flags, naming the command.
+func noArgs(name string) cobra.PositionalArgs {
+	return func(c *cobra.Command, args []string) error {
+		if len(args) > 0 {
+			return usageErr("%s takes no arguments, got %q", name, args)
+		}
+		return nil
+	}
 }
 
-// Args are the arguments that are not flags.
-func (fs *flagSet) Args() []string { return fs.args }
-
-// NArg is len(Args()).
-func (fs *flagSet) NArg() int { return len(fs.args) }
-
-// newFlagSet returns a flag set for a command that also takes the globals.
-func newFlagSet(name string, cio IO, g *globals) *flagSet {
-	fs := flag.NewFlagSet("idemctl "+name, flag.ContinueOnError)
-	// Errors are reported in one line by report; -h prints the flags.
-	fs.SetOutput(io.Discard)
-	fs.Usage = func() {}
-	g.register(fs)
-	return &flagSet{FlagSet: fs, help: cio.Out}
+// unknownCommand is the error for a mistyped command or subcommand, with
+// cobra's suggestions (prefix and Levenshtein distance 2).
+func unknownCommand(c *cobra.Command, arg string) error {
+	path := c.CommandPath()
+	msg := fmt.Sprintf("unknown command %q", arg)
+	if c.HasParent() {
+		msg = fmt.Sprintf("unknown %s subcommand %q", strings.TrimPrefix(path, "idemctl "), arg)
+	}
+	c.SuggestionsMinimumDistance = 2
+	if s := c.SuggestionsFor(arg); len(s) > 0 {
+		return usageErr("%s: did you mean %q? (run %s --help)", msg, s[0], path)
+	}
+	var names []string
+	for _, sub := range c.Commands() {
+		if sub.IsAvailableCommand() {
+			names = append(names, sub.Name())
+		}
+	}
+	return usageErr("%s: want one of %s (run %s --help)", msg, strings.Join(names, ", "), path)
 }
 
-// parse parses args, flags anywhere among the arguments, and turns flag
-// errors into one-line usage errors.
-func (fs *flagSet) parse(args []string) error {
-	var err error
-	fs.args = nil
-	for {
-		if err = fs.Parse(args); err != nil {
-			break
-		}
-		rest := fs.FlagSet.Args()
-		if len(rest) == 0 {
-			break
-		}
-		if len(args) > len(rest) && args[len(args)-len(rest)-1] == "--" {
-			fs.args = append(fs.args, rest...) // after "--", no more flags
-			break
-		}
-		fs.args = append(fs.args, rest[0])
-		args = rest[1:]
+// needSubcommand is the body of a command that only groups subcommands.
+func needSubcommand(c *cobra.Command, args []string) error {
+	if len(args) > 0 {
+		return unknownCommand(c, args[0])
 	}
-	if errors.Is(err, flag.ErrHelp) {
-		fmt.Fprintf(fs.help, "Usage of %s:\n", fs.Name())
-		fs.SetOutput(fs.help)
-		fs.PrintDefaults()
-		return err
+	var names []string
+	for _, sub := range c.Commands() {
+		if sub.IsAvailableCommand() {
+			names = append(names, sub.Name())
+		}
 	}
-	if err != nil {
-		return usageErr("%v (run %s -h)", err, fs.Name())
+	return usageErr("%s needs a subcommand: %s", c.Name(), strings.Join(names, ", "))
+}
+
+// suggestFlag is ` (did you mean --x?)` for an unknown flag close to one
+// the command takes.
+func suggestFlag(c *cobra.Command, err error) string {
+	const prefix = "unknown flag: --"
+	msg := err.Error()
+	if !strings.HasPrefix(msg, prefix) {
+		return ""
+	}
+	typed := strings.TrimPrefix(msg, prefix)
+	best, bestD := "", 3
+	c.Flags().VisitAll(func(f *pflag.Flag) {
+		if f.Hidden {
+			return
+		}
+		d := distance(typed, f.Name)
+		if strings.HasPrefix(f.Name, typed) && len(typed) > 2 {
+			d = 1
+		}
+		if d < bestD || (d == bestD && best != "" && f.Name < best) {
+			best, bestD = f.Name, d
+		}
+	})
+	if best == "" {
+		return ""
+	}
+	return fmt.Sprintf(": did you mean --%s?", best)
+}
+
+// distance is the Levenshtein distance between a and b.
+func distance(a, b string) int {
+	prev := make([]int, len(b)+1)
+	cur := make([]int, len(b)+1)
+	for j := range prev {
+		prev[j] = j
+	}
+	for i := 1; i <= len(a); i++ {
+		cur[0] = i
+		for j := 1; j <= len(b); j++ {
+			cost := 1
+			if a[i-1] == b[j-1] {
+				cost = 0
+			}
+			cur[j] = min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
+		}
+		prev, cur = cur, prev
+	}
+	return prev[len(b)]
+}
+
+// refuseFlags refuses the group's flags given that the subcommand c does
+// not take: a group's flags are all defined on it, so that they may come
+// before or after the subcommand (partitions --json list).
+func refuseFlags(c *cobra.Command, names ...string) error {
+	var bad []string
+	for _, n := range names {
+		if f := c.Flags().Lookup(n); f != nil && f.Changed {
+			bad = append(bad, "--"+n)
+		}
+	}
+	if len(bad) > 0 {
+		return usageErr("%s does not take %s", c.CommandPath(), strings.Join(bad, ", "))
 	}
 	return nil
 }
 
-// subcommand finds a command's subcommand, its first argument that is not
-// a flag, whatever flags come before it (scan knows which of them take a
-// value), and returns it with the other arguments; "" when there is none.
-// The caller checks it against its subcommands (report redacts what it
-// echoes).
-func subcommand(args []string, scan *flag.FlagSet) (string, []string) {
-	for i := 0; i < len(args); i++ {
-		a := args[i]
-		if a == "--" {
+// doubleDash accepts the single-dash long flags of the standard flag
+// package that idemctl parsed with before cobra (-database-url=U,
+// -batch-size 10): an argument -name or -name=value where name is one of
+// idemctl's long flags becomes --name, unless it is the value of the
+// flag before it. Arguments after "--" are left alone.
+func doubleDash(root *cobra.Command, args []string) []string {
+	takesValue := map[string]bool{}
+	var walk func(c *cobra.Command)
+	walk = func(c *cobra.Command) {
+		for _, fs := range []*pflag.FlagSet{c.LocalFlags(), c.PersistentFlags()} {
+			fs.VisitAll(func(f *pflag.Flag) { takesValue[f.Name] = f.NoOptDefVal == "" })
+		}
+		for _, sub := range c.Commands() {
+			walk(sub)
+		}
+	}
+	walk(root)
+	out := make([]string, len(args))
+	copy(out, args)
+	for i, arg := range out {
+		if arg == "--" {
 			break
 		}
-		if strings.HasPrefix(a, "-") && a != "-" {
-			name := strings.TrimLeft(a, "-")
-			if strings.Contains(name, "=") {
-				continue
+		if i > 0 {
+			prev := strings.TrimLeft(out[i-1], "-")
+			if strings.HasPrefix(out[i-1], "-") && !strings.Contains(prev, "=") && takesValue[prev] {
+				continue // the previous flag's value
 			}
-			if f := scan.Lookup(name); f != nil {
-				if b, ok := f.Value.(interface{ IsBoolFlag() bool }); !ok || !b.IsBoolFlag() {
-					i++ // its value
-				}
-			}
+		}
+		if len(arg) < 3 || arg[0] != '-' || arg[1] == '-' {
 			continue
 		}
-		return a, append(append([]string(nil), args[:i]...), args[i+1:]...)
+		name, _, _ := strings.Cut(arg[1:], "=")
+		if _, known := takesValue[name]; known && len(name) > 1 {
+			out[i] = "-" + arg
+		}
 	}
-	return "", args
-}
-
-// isHelp reports whether a command's first argument asks for help.
-func isHelp(arg string) bool {
-	switch arg {
-	case "-h", "-help", "--help", "help":
-		return true
-	}
-	return false
-}
-
-// subcommandHelp prints a command's subcommands and flags, for
-// `idemctl <command> --help`.
-func subcommandHelp(w io.Writer, usage string, fs *flagSet) error {
-	fmt.Fprintf(w, "Usage: idemctl %s\n\nFlags:\n", usage)
-	fs.SetOutput(w)
-	fs.PrintDefaults()
-	return flag.ErrHelp
-}
-
-func printUsage(w io.Writer) {
-	fmt.Fprintln(w, "idemctl: operate idem, the Postgres-native idempotency kit")
-	fmt.Fprintln(w, "\nUsage: idemctl <command> [flags]\n\nCommands:")
-	names := make([]string, 0, len(commands))
-	for n := range commands {
-		names = append(names, n)
-	}
-	sort.Strings(names)
-	for _, n := range names {
-		fmt.Fprintf(w, "  %-11s %s\n", n, commands[n].summary)
-	}
-	fmt.Fprintln(w, "\nEvery command takes --database-url (default $DATABASE_URL, then PG* variables),")
-	fmt.Fprintln(w, "--log-format text|json, --lock-timeout and --statement-timeout.")
-	fmt.Fprintln(w, "Exit codes: 0 ok, 1 error, 2 usage, 3 database unreachable, 4 locked, 5 unhealthy, 6 not migrated.")
+	return out
 }

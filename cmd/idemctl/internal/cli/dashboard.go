@@ -71,6 +71,9 @@ type hostList []string
 
 func (l *hostList) String() string { return strings.Join(*l, ",") }
 
+// Type names the value in help (pflag.Value).
+func (l *hostList) Type() string { return "names" }
+
 func (l *hostList) Set(s string) error {
 	for _, h := range strings.Split(s, ",") {
 		h = strings.ToLower(strings.TrimSpace(h))
@@ -114,4 +117,63 @@ func isLoopback(host string) bool {
 	}
 	ip := net.ParseIP(host)
 	return ip != nil && ip.IsLoopback()
+}
+
+// proxyList is --http-trusted-proxy: IP addresses or CIDR prefixes,
+// repeated or comma-separated.
+type proxyList []netip.Prefix
+
+func (l *proxyList) String() string {
+	var out []string
+	for _, p := range *l {
+		out = append(out, p.String())
+	}
+	return strings.Join(out, ",")
+}
+
+// Type names the value in help (pflag.Value).
+func (l *proxyList) Type() string { return "addresses" }
+
+func (l *proxyList) Set(s string) error {
+	for _, a := range strings.Split(s, ",") {
+		a = strings.TrimSpace(a)
+		if p, err := netip.ParsePrefix(a); err == nil {
+			*l = append(*l, p.Masked())
+			continue
+		}
+		ip, err := netip.ParseAddr(a)
+		if err != nil {
+			return fmt.Errorf("%q is not an IP address or a CIDR prefix (10.0.0.2, 10.0.0.0/8, ::1)", a)
+		}
+		*l = append(*l, netip.PrefixFrom(ip.Unmap(), ip.Unmap().BitLen()))
+	}
+	return nil
+}
+
+// trustProxies keeps a request's Remote-User header, which the dashboard's
+// audit log records as who asked, only when the request comes from one of
+// the trusted proxies' addresses; from anywhere else the header is dropped,
+// so that a client reaching the listener directly cannot name someone else.
+func trustProxies(next http.Handler, trusted proxyList) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if _, ok := r.Header["Remote-User"]; ok && !fromTrusted(r.RemoteAddr, trusted) {
+			r = r.Clone(r.Context())
+			r.Header.Del("Remote-User")
+		}
+		next.ServeHTTP(w, r)
+	})
+}
+
+func fromTrusted(remote string, trusted proxyList) bool {
+	ap, err := netip.ParseAddrPort(remote)
+	if err != nil {
+		return false
+	}
+	ip := ap.Addr().Unmap()
+	for _, p := range trusted {
+		if p.Contains(ip) {
+			return true
+		}
+	}
+	return false
 }

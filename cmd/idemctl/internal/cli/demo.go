@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/spf13/cobra"
 	"log/slog"
 	"net/url"
 	"os"
@@ -20,141 +21,144 @@ import (
 	"github.com/idemkit/idem/migrate"
 )
 
-func init() {
-	register(command{name: "demo", summary: "the quick start: a webhook storm against a throwaway (or given) Postgres, with checks", run: runDemo})
-}
+func init() { register(newDemoCmd) }
 
 const demoSchema = "idem_demo"
 
-func runDemo(ctx context.Context, io IO, g *globals, args []string) (err error) {
-	fs := newFlagSet("demo", io, g)
+func newDemoCmd(a *app) *cobra.Command {
+	cmd := &cobra.Command{Use: "demo", Short: "the quick start: a webhook storm against a throwaway (or given) Postgres, with checks", Args: cobra.ArbitraryArgs,
+		Example: `  idemctl demo
+  idemctl demo --events 1000 --deliveries 8 --database-url postgres://localhost/postgres`}
+	fs := cmd.Flags()
 	var cfg demo.Config
 	fs.IntVar(&cfg.Events, "events", 300, "distinct webhook events")
 	fs.IntVar(&cfg.Deliveries, "deliveries", 4, "concurrent deliveries of each event")
 	fs.IntVar(&cfg.Workers, "workers", 16, "concurrent handlers")
 	keep := fs.Bool("keep", false, "keep the receiver's tables (schema idem_demo) afterwards")
 	timeouts := fs.Bool("timeouts", true, "also run the timeout storm: a 5s handler behind a sender that gives up after 2s, answered synchronously and then asynchronously (the inbox)")
-	if err := fs.parse(args); err != nil {
-		return err
-	}
-	if cfg.Events < 1 || cfg.Deliveries < 1 || cfg.Workers < 1 {
-		return usageErr("--events, --deliveries and --workers must be at least 1")
-	}
-	log, err := g.logger(io.Err)
-	if err != nil {
-		return err
-	}
-	throwaway := g.resolveURL(io.Env) == ""
-	if throwaway {
-		fmt.Fprintln(io.Out, "no --database-url or DATABASE_URL: starting a throwaway PostgreSQL...")
-		c, err := pgcluster.Start(ctx)
-		if err != nil {
-			return withCode(ExitUnreachable, fmt.Errorf("cannot start a throwaway PostgreSQL: %w; %s, or pass --database-url", err, pgcluster.InstallHint))
+	cmd.RunE = func(_ *cobra.Command, args []string) (err error) {
+		ctx, io, g := a.ctx, a.io, &a.g
+		_, _ = ctx, g
+		if cfg.Events < 1 || cfg.Deliveries < 1 || cfg.Workers < 1 {
+			return usageErr("--events, --deliveries and --workers must be at least 1")
 		}
-		defer func() {
-			c.Stop()
-			fmt.Fprintln(io.Out, "throwaway PostgreSQL stopped and removed")
-		}()
-		g.databaseURL = c.URL("postgres")
-		fmt.Fprintf(io.Out, "PostgreSQL is up (port %d, data in %s)\n", c.Port, c.Dir)
-	} else {
-		// A given database is left exactly as it was: the demo runs in a
-		// scratch database of its own on the same server, dropped at the
-		// end (its keys, River's jobs, the lookbacks and counts it raises
-		// go with it).
-		scratch, drop, err := g.scratchDatabase(ctx, io)
+		log, err := g.logger(io.Err)
 		if err != nil {
 			return err
 		}
-		defer func() {
-			// A scratch database left behind is a failure of the demo.
-			if derr := drop(); derr != nil && err == nil {
-				err = derr
+		throwaway := g.resolveURL(io.Env) == ""
+		if throwaway {
+			fmt.Fprintln(io.Out, "no --database-url or DATABASE_URL: starting a throwaway PostgreSQL...")
+			c, err := pgcluster.Start(ctx)
+			if err != nil {
+				return withCode(ExitUnreachable, fmt.Errorf("cannot start a throwaway PostgreSQL: %w; %s, or pass --database-url", err, pgcluster.InstallHint))
 			}
-		}()
-		g.databaseURL = scratch
-	}
-	// The receiver's tables go in schema idem_demo, first on the demo's
-	// search_path, so an existing database's own tables are never touched.
-	pool, err := g.connect(ctx, io.Env, int32(cfg.Workers)+4, func(c *pgxpool.Config) {
-		c.ConnConfig.RuntimeParams["search_path"] = demoSchema + ",public"
-	})
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	db := sqlDB(pool)
-	defer db.Close()
-	if _, err := pool.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+pgx.Identifier{demoSchema}.Sanitize()); err != nil {
-		return fmt.Errorf("create schema %s: %w", demoSchema, err)
-	}
-	res, err := migrate.Up(ctx, db)
-	if err != nil {
-		return fmt.Errorf("migrate up: %w", err)
-	}
-	fmt.Fprintf(io.Out, "migrations applied: %d new\n", len(res))
-
-	{
-		// The database is the demo's own (a throwaway server's, or a
-		// scratch one): pin a session's idem.clock() to just before
-		// midnight at the end of last month.
-		cfg.ExactCounts = true
-		cfg.CrossMonth = func(ctx context.Context, at time.Time) (*pgxpool.Pool, error) {
-			if _, err := pool.Exec(ctx, pgcluster.ClockOverrideSQL); err != nil {
-				return nil, err
+			defer func() {
+				c.Stop()
+				fmt.Fprintln(io.Out, "throwaway PostgreSQL stopped and removed")
+			}()
+			g.databaseURL = c.URL("postgres")
+			fmt.Fprintf(io.Out, "PostgreSQL is up (port %d, data in %s)\n", c.Port, c.Dir)
+		} else {
+			// A given database is left exactly as it was: the demo runs in a
+			// scratch database of its own on the same server, dropped at the
+			// end (its keys, River's jobs, the lookbacks and counts it raises
+			// go with it).
+			scratch, drop, err := g.scratchDatabase(ctx, io)
+			if err != nil {
+				return err
 			}
-			if _, err := pool.Exec(ctx, `SELECT idem.create_partition($1)`, at); err != nil {
-				return nil, err
-			}
-			pc := pool.Config().Copy()
-			pc.ConnConfig.RuntimeParams[pgcluster.ClockParam] = at.Format(time.RFC3339)
-			return pgxpool.NewWithConfig(ctx, pc)
+			defer func() {
+				// A scratch database left behind is a failure of the demo.
+				if derr := drop(); derr != nil && err == nil {
+					err = derr
+				}
+			}()
+			g.databaseURL = scratch
 		}
-	}
-	// The receiver's own warnings (the storm's injected failures) would
-	// drown the report; only errors go to stderr.
-	quiet := slog.New(slog.NewTextHandler(io.Err, &slog.HandlerOptions{Level: slog.LevelError}))
-	rep, err := demo.Run(ctx, pool, cfg, quiet)
-	if rep != nil {
-		rep.Print(io.Out)
-	}
-	tok := true
-	if err == nil && *timeouts {
-		tok, err = demoTimeouts(ctx, io, pool, quiet)
-	}
-	if !*keep {
-		// Dropped at the end, after the stats below have read River's jobs
-		// (River's tables are in this schema too).
-		defer func() {
-			if _, derr := pool.Exec(context.WithoutCancel(ctx), "DROP SCHEMA IF EXISTS "+pgx.Identifier{demoSchema}.Sanitize()+" CASCADE"); derr != nil {
-				log.LogAttrs(ctx, slog.LevelWarn, "could not drop the demo schema", slog.Any("error", derr))
-			}
-		}()
-	}
-	if err != nil {
-		return err
-	}
+		// The receiver's tables go in schema idem_demo, first on the demo's
+		// search_path, so an existing database's own tables are never touched.
+		pool, err := g.connect(ctx, io.Env, int32(cfg.Workers)+4, func(c *pgxpool.Config) {
+			c.ConnConfig.RuntimeParams["search_path"] = demoSchema + ",public"
+		})
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		db := sqlDB(pool)
+		defer db.Close()
+		if _, err := pool.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+pgx.Identifier{demoSchema}.Sanitize()); err != nil {
+			return fmt.Errorf("create schema %s: %w", demoSchema, err)
+		}
+		res, err := migrate.Up(ctx, db)
+		if err != nil {
+			return fmt.Errorf("migrate up: %w", err)
+		}
+		fmt.Fprintf(io.Out, "migrations applied: %d new\n", len(res))
 
-	// The operator's side: rotation, prune and the stats an operator reads.
-	fmt.Fprintln(io.Out, "\nmaintenance:")
-	rot, err := partition.Rotate(ctx, pool, partition.Config{})
-	if err != nil {
-		return fmt.Errorf("rotate: %w", err)
+		{
+			// The database is the demo's own (a throwaway server's, or a
+			// scratch one): pin a session's idem.clock() to just before
+			// midnight at the end of last month.
+			cfg.ExactCounts = true
+			cfg.CrossMonth = func(ctx context.Context, at time.Time) (*pgxpool.Pool, error) {
+				if _, err := pool.Exec(ctx, pgcluster.ClockOverrideSQL); err != nil {
+					return nil, err
+				}
+				if _, err := pool.Exec(ctx, `SELECT idem.create_partition($1)`, at); err != nil {
+					return nil, err
+				}
+				pc := pool.Config().Copy()
+				pc.ConnConfig.RuntimeParams[pgcluster.ClockParam] = at.Format(time.RFC3339)
+				return pgxpool.NewWithConfig(ctx, pc)
+			}
+		}
+		// The receiver's own warnings (the storm's injected failures) would
+		// drown the report; only errors go to stderr.
+		quiet := slog.New(slog.NewTextHandler(io.Err, &slog.HandlerOptions{Level: slog.LevelError}))
+		rep, err := demo.Run(ctx, pool, cfg, quiet)
+		if rep != nil {
+			rep.Print(io.Out)
+		}
+		tok := true
+		if err == nil && *timeouts {
+			tok, err = demoTimeouts(ctx, io, pool, quiet)
+		}
+		if !*keep {
+			// Dropped at the end, after the stats below have read River's jobs
+			// (River's tables are in this schema too).
+			defer func() {
+				if _, derr := pool.Exec(context.WithoutCancel(ctx), "DROP SCHEMA IF EXISTS "+pgx.Identifier{demoSchema}.Sanitize()+" CASCADE"); derr != nil {
+					log.LogAttrs(ctx, slog.LevelWarn, "could not drop the demo schema", slog.Any("error", derr))
+				}
+			}()
+		}
+		if err != nil {
+			return err
+		}
+
+		// The operator's side: rotation, prune and the stats an operator reads.
+		fmt.Fprintln(io.Out, "\nmaintenance:")
+		rot, err := partition.Rotate(ctx, pool, partition.Config{})
+		if err != nil {
+			return fmt.Errorf("rotate: %w", err)
+		}
+		fmt.Fprintf(io.Out, "  partitions rotate: %d step(s), partitions premade for the next 3 months\n", len(rot.Steps))
+		pr, err := prune.Run(ctx, pool, prune.Config{})
+		if err != nil {
+			return fmt.Errorf("prune: %w", err)
+		}
+		fmt.Fprintf(io.Out, "  prune: %d expired rows deleted (the demo's keys are kept %d days)\n\n", pr.Deleted, int(demo.KeyTTL.Hours()/24))
+		if err := a.execute("stats", "--database-url", pool.Config().ConnString(), "--river-schema", demoSchema); err != nil {
+			return fmt.Errorf("stats: %w", err)
+		}
+		if !rep.OK() || !tok {
+			return errors.New("some checks failed")
+		}
+		fmt.Fprintln(io.Out, "\nall checks passed")
+		return nil
 	}
-	fmt.Fprintf(io.Out, "  partitions rotate: %d step(s), partitions premade for the next 3 months\n", len(rot.Steps))
-	pr, err := prune.Run(ctx, pool, prune.Config{})
-	if err != nil {
-		return fmt.Errorf("prune: %w", err)
-	}
-	fmt.Fprintf(io.Out, "  prune: %d expired rows deleted (the demo's keys are kept %d days)\n\n", pr.Deleted, int(demo.KeyTTL.Hours()/24))
-	if err := runStats(ctx, io, &globals{}, []string{"--database-url", pool.Config().ConnString(), "--river-schema", demoSchema}); err != nil {
-		return fmt.Errorf("stats: %w", err)
-	}
-	if !rep.OK() || !tok {
-		return errors.New("some checks failed")
-	}
-	fmt.Fprintln(io.Out, "\nall checks passed")
-	return nil
+	return cmd
 }
 
 // demoTimeouts runs the timeout storm in both modes and prints what the

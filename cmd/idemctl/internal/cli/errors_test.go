@@ -27,8 +27,8 @@ func TestBadInvocations(t *testing.T) {
 	}{
 		{"no command", none, nil, ExitUsage, ""},
 		{"unknown command", none, []string{"frobnicate"}, ExitUsage, `unknown command "frobnicate"`},
-		{"unknown flag", none, []string{"prune", "--bogus"}, ExitUsage, "flag provided but not defined: -bogus"},
-		{"bad flag value", none, []string{"prune", "--batch-size", "many"}, ExitUsage, `invalid value "many" for flag -batch-size`},
+		{"unknown flag", none, []string{"prune", "--bogus"}, ExitUsage, "unknown flag: --bogus"},
+		{"bad flag value", none, []string{"prune", "--batch-size", "many"}, ExitUsage, `invalid argument "many" for "--batch-size" flag`},
 		{"batch size zero", none, []string{"prune", "--database-url", migrated, "--batch-size", "0"}, ExitUsage, "--batch-size 0 is out of range (1 to 1000000)"},
 		{"negative sleep", none, []string{"prune", "--database-url", migrated, "--sleep", "-1s"}, ExitUsage, "--sleep -1s is negative"},
 		{"run negative batch size", none, []string{"run", "--database-url", migrated, "--batch-size", "-5"}, ExitUsage, "--batch-size -5 is out of range (1 to 1000000)"},

@@ -1,63 +1,80 @@
 package cli
 
 import (
-	"context"
 	"encoding/json"
 	"fmt"
+	"github.com/spf13/cobra"
 	"text/tabwriter"
 	"time"
 
 	"github.com/idemkit/idem/inbox"
 )
 
-func init() {
-	register(command{name: "inbox", summary: "the inbox's dead letters: list | replay (--source S [--key K] | --since T)", run: runInbox})
-}
+func init() { register(newInboxCmd) }
 
-func runInbox(ctx context.Context, io IO, g *globals, args []string) error {
-	const usage = "inbox list [--source S] [--key K] [--since T] [--limit N] [--json] | replay (--source S [--key K] | --since T) [--dry-run]\n\n" +
-		"list: events whose jobs River dead-lettered (discarded after their last attempt, or cancelled for a\n" +
-		"permanent error), with their last error; replay: claim each again and enqueue a new job with its\n" +
-		"payload; an event processed meanwhile is not run again"
+const inboxLong = `The inbox's dead letters: events whose jobs River dead-lettered (discarded
+after their last attempt, or cancelled for a permanent error).
+
+list: them, with their last error; replay: claim each again and enqueue a
+new job with its payload; an event processed meanwhile is not run again.`
+
+func newInboxCmd(a *app) *cobra.Command {
 	var f inbox.Filter
 	var since string
 	var asJSON, dryRun bool
 	var schema, queue string
-	flags := func(fs *flagSet, sub string) {
-		fs.StringVar(&f.Source, "source", "", "only this source (e.g. stripe)")
-		fs.StringVar(&f.Key, "key", "", "only this key (with --source)")
-		fs.StringVar(&since, "since", "", "only those dead-lettered since: an RFC 3339 time or a duration back from now (e.g. 24h)")
-		fs.StringVar(&schema, "river-schema", "", "the schema of River's tables (default: the search_path)")
-		fs.StringVar(&queue, "queue", inbox.DefaultQueue, "the inbox's River queue")
-		if sub != "replay" {
-			fs.IntVar(&f.Limit, "limit", 1000, "at most this many")
-			fs.BoolVar(&asJSON, "json", false, "print JSON")
-		} else {
-			fs.BoolVar(&dryRun, "dry-run", false, "list what would be replayed, change nothing")
-		}
+	cmd := &cobra.Command{
+		Use:   "inbox list|replay",
+		Short: "the inbox's dead letters: list | replay (--source S [--key K] | --since T)",
+		Long:  inboxLong,
+		Example: `  idemctl inbox list --source stripe --since 24h
+  idemctl inbox replay --source stripe --key evt_123 --dry-run
+  idemctl inbox replay --since 2026-11-01T00:00:00Z`,
+		Args: cobra.ArbitraryArgs,
+		RunE: needSubcommand,
 	}
-	if len(args) > 0 && isHelp(args[0]) {
-		fs := newFlagSet("inbox", io, g)
-		flags(fs, "")
-		return subcommandHelp(io.Out, usage, fs)
+	pf := cmd.PersistentFlags()
+	pf.StringVar(&f.Source, "source", "", "only this source (e.g. stripe)")
+	pf.StringVar(&f.Key, "key", "", "only this key (with --source)")
+	pf.StringVar(&since, "since", "", "only those dead-lettered since: an RFC 3339 time or a duration back from now (e.g. 24h)")
+	pf.StringVar(&schema, "river-schema", "", "the schema of River's tables (default: the search_path)")
+	pf.StringVar(&queue, "queue", inbox.DefaultQueue, "the inbox's River queue")
+	a.completeSources(cmd, "source")
+	list := &cobra.Command{
+		Use:     "list",
+		Short:   "list the dead letters, newest first, with their last error",
+		Example: "  idemctl inbox list --source stripe --limit 20\n  idemctl inbox list --json",
+		Args:    noArgs("inbox list"),
+		RunE: func(c *cobra.Command, _ []string) error {
+			if err := refuseFlags(c, "dry-run"); err != nil {
+				return err
+			}
+			return a.runInbox("list", f, since, asJSON, false, schema, queue)
+		},
 	}
-	scan := newFlagSet("inbox", io, g)
-	flags(scan, "")
-	sub, rest := subcommand(args, scan.FlagSet)
-	if sub == "" {
-		return usageErr("inbox needs a subcommand: list or replay")
+	pf.IntVar(&f.Limit, "limit", 1000, "list: at most this many")
+	pf.BoolVar(&asJSON, "json", false, "list: print JSON")
+	pf.BoolVar(&dryRun, "dry-run", false, "replay: list what would be replayed, change nothing")
+	replay := &cobra.Command{
+		Use:     "replay",
+		Short:   "claim each dead letter again and enqueue a new job with its payload",
+		Example: "  idemctl inbox replay --source stripe --key evt_123\n  idemctl inbox replay --since 24h --dry-run",
+		Args:    noArgs("inbox replay"),
+		RunE: func(c *cobra.Command, _ []string) error {
+			if err := refuseFlags(c, "limit", "json"); err != nil {
+				return err
+			}
+			r := f
+			r.Limit = 0 // every dead letter the filter matches
+			return a.runInbox("replay", r, since, false, dryRun, schema, queue)
+		},
 	}
-	if sub != "list" && sub != "replay" {
-		return usageErr("unknown inbox subcommand %q: want list or replay", sub)
-	}
-	fs := newFlagSet("inbox "+sub, io, g)
-	flags(fs, sub)
-	if err := fs.parse(rest); err != nil {
-		return err
-	}
-	if fs.NArg() > 0 {
-		return usageErr("inbox %s takes no arguments, got %q", sub, fs.Args())
-	}
+	cmd.AddCommand(list, replay)
+	return cmd
+}
+
+func (a *app) runInbox(sub string, f inbox.Filter, since string, asJSON, dryRun bool, schema, queue string) error {
+	ctx, io, g := a.ctx, a.io, &a.g
 	if sub == "list" && f.Limit < 1 {
 		return usageErr("--limit %d must be at least 1", f.Limit)
 	}

@@ -156,7 +156,10 @@ func TestCheckInboxReconciliation(t *testing.T) {
 	if err != nil || rep.DeadLettered != 1 {
 		t.Fatalf("repair: %+v %v", rep, err)
 	}
-	if r := idemctl(t, ctx, env, "check"); r.code != 0 {
+	// The installation is healthy again, and the dead letter is named with
+	// its own exit code (7): an event an operator must look at.
+	if r := idemctl(t, ctx, env, "check"); r.code != ExitDeadLetters || !strings.Contains(r.errout, "attention: inbox shop: 1 dead letter, the oldest since ") ||
+		!strings.Contains(r.errout, `(order-9): `+"`idemctl inbox list --source shop`") {
 		t.Fatalf("check after the repair: %d\n%s%s", r.code, r.out, r.errout)
 	}
 	dead, err := in.DeadLetters(ctx, inbox.Filter{})

@@ -93,7 +93,7 @@ func TestZeroIsHonoured(t *testing.T) {
 		t.Parallel()
 		url, pool, want := threeMonths(t)
 		r := idemctl(t, ctx, nil, "prune", "--database-url", url, "--batch-size", "100", "--sleep", "0")
-		if r.code != 0 || !strings.Contains(r.out, "deleted 12000 expired rows in 121 batches") {
+		if r.code != 0 || !strings.Contains(r.out, "deleted 12,000 expired rows in 121 batches") {
 			t.Fatalf("prune --sleep 0: %+v", r)
 		}
 		sameCounts(t, keysLeft(t, pool), want)

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"github.com/spf13/cobra"
 	"log/slog"
 	"math"
 	"time"
@@ -16,45 +17,54 @@ import (
 	"github.com/idemkit/idem/migrate"
 )
 
-func init() {
-	register(command{name: "migrate", summary: "apply idem's migrations (and River's, for the inbox): up | down [--to N] | status | version", run: runMigrate})
-}
+func init() { register(newMigrateCmd) }
 
-func runMigrate(ctx context.Context, io IO, g *globals, args []string) error {
-	fs := newFlagSet("migrate", io, g)
+func newMigrateCmd(a *app) *cobra.Command {
 	var to *int64
-	optInt64(fs.FlagSet, &to, "to", "up: the latest; down: the previous version", "up: apply migrations up to this version; down: roll back to this version (0 removes everything but the schema)")
+	cmd := &cobra.Command{
+		Use:   "migrate up|down|status|version",
+		Short: "apply idem's migrations (and River's, for the inbox): up | down [--to N] | status | version",
+		Long: `Applies idem's embedded migrations with idem's own version table
+(idem.goose_db_version) and lock, then River's (the inbox's queue).
+A down that would drop stored state is refused unless --force.`,
+		Example: `  idemctl migrate up
+  idemctl migrate status
+  idemctl migrate down --to 14 --force`,
+		Args: cobra.ArbitraryArgs,
+		RunE: needSubcommand,
+	}
+	fs := cmd.PersistentFlags()
+	optInt64(fs, &to, "to", "up: the latest; down: the previous version", "up: apply migrations up to this version; down: roll back to this version (0 removes everything but the schema)")
 	force := fs.Bool("force", false, "down: drop the stored state the down would drop (keys, inbox holds, an adoption, policies' settings, run history); without it such a down is refused, saying what it would drop")
 	retries := fs.Int("lock-retries", migrate.DefaultRetries, "up, down: how many times a step that timed out waiting for a table lock (--lock-timeout) is retried before giving up (0: none)")
 	withRiver := fs.Bool("river", true, "up: also apply River's migrations (the inbox's queue; only the versions missing, safe next to an application's own River)")
 	riverSchema := fs.String("river-schema", "", "up: the schema of River's tables (default: the search_path, as River's own client)")
 	citus := fs.Bool("citus", false, "up: distribute idem on this Citus coordinator (docs/citus.md); once distributed, every up does it again")
-	if len(args) > 0 && isHelp(args[0]) {
-		return subcommandHelp(io.Out, "migrate up [--to N] | down [--to N] [--force] | status | version [flags]", fs)
+	for _, s := range []struct{ name, short, example string }{
+		{"up", "apply every migration not applied yet (or up to --to), then River's", "  idemctl migrate up\n  idemctl migrate up --to 15 --river=false"},
+		{"down", "roll back one migration (or to --to); refused when it would drop stored state, unless --force", "  idemctl migrate down\n  idemctl migrate down --to 14 --force"},
+		{"status", "every migration, applied (when) or pending", "  idemctl migrate status"},
+		{"version", "the database's schema version", "  idemctl migrate version"},
+	} {
+		sub := s.name
+		cmd.AddCommand(&cobra.Command{Use: sub, Short: s.short, Example: s.example, Args: noArgs("migrate " + sub),
+			RunE: func(*cobra.Command, []string) error {
+				return a.runMigrate(sub, to, *force, *retries, *withRiver, *riverSchema, *citus)
+			}})
 	}
-	sub, rest := subcommand(args, fs.FlagSet)
-	if sub == "" {
-		return usageErr("migrate needs a subcommand: up, down, status or version")
-	}
-	switch sub {
-	case "up", "down", "status", "version":
-	default:
-		return usageErr("unknown migrate subcommand %q: want up, down, status or version", sub)
-	}
-	if err := fs.parse(rest); err != nil {
-		return err
-	}
-	if fs.NArg() > 0 {
-		return usageErr("migrate %s takes no arguments, got %q", sub, fs.Args())
-	}
+	return cmd
+}
+
+func (a *app) runMigrate(sub string, to *int64, force bool, retries int, withRiver bool, riverSchema string, citus bool) error {
+	ctx, io, g := a.ctx, a.io, &a.g
 	if to != nil && *to < 0 {
 		return usageErr("--to %d is not a version: give 0 or more (0: before the first migration)", *to)
 	}
-	if *citus && sub != "up" {
+	if citus && sub != "up" {
 		return usageErr("--citus is for migrate up, not %s", sub)
 	}
-	if *retries < 0 {
-		return usageErr("--lock-retries %d: give 0 or more", *retries)
+	if retries < 0 {
+		return usageErr("--lock-retries %d: give 0 or more", retries)
 	}
 	if g.lockTimeout < time.Millisecond {
 		return usageErr("--lock-timeout %v: give at least 1ms", g.lockTimeout)
@@ -73,19 +83,19 @@ func runMigrate(ctx context.Context, io IO, g *globals, args []string) error {
 	defer pool.Close()
 	db := sqlDB(pool)
 	defer db.Close()
-	if *retries == 0 {
-		*retries = -1 // migrate.Config: -1 is none
+	if retries == 0 {
+		retries = -1 // migrate.Config: -1 is none
 	}
-	m, err := migrate.New(db, migrate.Config{LockTimeout: g.lockTimeout, Retries: *retries, Logger: log.With(slog.String("component", "goose"))})
+	m, err := migrate.New(db, migrate.Config{LockTimeout: g.lockTimeout, Retries: retries, Logger: log.With(slog.String("component", "goose"))})
 	if err != nil {
 		return err
 	}
 	p := m.Provider()
 	switch sub {
 	case "up":
-		return migrateUp(ctx, io, m, db, pool, to, *citus, *withRiver, *riverSchema)
+		return migrateUp(ctx, io, m, db, pool, to, citus, withRiver, riverSchema)
 	case "down":
-		return migrateDown(ctx, io, m, to, *force)
+		return migrateDown(ctx, io, m, to, force)
 	case "status":
 		st, err := p.Status(ctx)
 		if err != nil {

@@ -2,12 +2,13 @@ package cli
 
 import (
 	"errors"
-
-	"flag"
 	"fmt"
-	"github.com/idemkit/idem/internal/maintcfg"
 	"strconv"
 	"time"
+
+	"github.com/spf13/pflag"
+
+	"github.com/idemkit/idem/internal/maintcfg"
 )
 
 // optional is a flag that sets *p only when it is given on the command
@@ -17,7 +18,11 @@ import (
 type optional[T any] struct {
 	p     **T
 	parse func(string) (T, error)
+	typ   string
 }
+
+// Type names the value in help (pflag.Value).
+func (o optional[T]) Type() string { return o.typ }
 
 func (o optional[T]) String() string {
 	if o.p == nil || *o.p == nil {
@@ -35,16 +40,16 @@ func (o optional[T]) Set(s string) error {
 	return nil
 }
 
-func optInt(fs *flag.FlagSet, p **int, name string, def int, usage string) {
-	fs.Var(optional[int]{p, strconv.Atoi}, name, fmt.Sprintf("%s (default %d)", usage, def))
+func optInt(fs *pflag.FlagSet, p **int, name string, def int, usage string) {
+	fs.Var(optional[int]{p, strconv.Atoi, "int"}, name, fmt.Sprintf("%s (default %d)", usage, def))
 }
 
-func optInt64(fs *flag.FlagSet, p **int64, name, def, usage string) {
-	fs.Var(optional[int64]{p, func(s string) (int64, error) { return strconv.ParseInt(s, 10, 64) }}, name, fmt.Sprintf("%s (default %s)", usage, def))
+func optInt64(fs *pflag.FlagSet, p **int64, name, def, usage string) {
+	fs.Var(optional[int64]{p, func(s string) (int64, error) { return strconv.ParseInt(s, 10, 64) }, "int"}, name, fmt.Sprintf("%s (default %s)", usage, def))
 }
 
-func optDuration(fs *flag.FlagSet, p **time.Duration, name, def, usage string) {
-	fs.Var(optional[time.Duration]{p, time.ParseDuration}, name, fmt.Sprintf("%s (default %s)", usage, def))
+func optDuration(fs *pflag.FlagSet, p **time.Duration, name, def, usage string) {
+	fs.Var(optional[time.Duration]{p, time.ParseDuration, "duration"}, name, fmt.Sprintf("%s (default %s)", usage, def))
 }
 
 // configErr turns a maintenance package's Validate error into a usage

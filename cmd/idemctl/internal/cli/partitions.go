@@ -4,8 +4,9 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 	"text/tabwriter"
 	"time"
 
@@ -14,9 +15,7 @@ import (
 	"github.com/idemkit/idem/internal/partition"
 )
 
-func init() {
-	register(command{name: "partitions", summary: "monthly partitions: rotate (premake, retire, recover default rows) | list", run: runPartitions})
-}
+func init() { register(newPartitionsCmd) }
 
 type rotateFlags struct {
 	cfg          partition.Config
@@ -25,7 +24,7 @@ type rotateFlags struct {
 
 // register adds rotation's flags; prefix names them apart where prune's
 // flags are registered too (idemctl run: --rotate-lock-ttl).
-func (r *rotateFlags) register(fs *flag.FlagSet, prefix string) {
+func (r *rotateFlags) register(fs *pflag.FlagSet, prefix string) {
 	optInt(fs, &r.cfg.Premake, "premake", partition.DefaultPremake, "months after the current one that must have a partition, 0 to 24")
 	fs.BoolVar(&r.cfg.KeepDetached, "keep-detached", false, "retire months by DETACH (keep the table) instead of DROP")
 	optInt(fs, &r.cfg.Retries, "retries", partition.DefaultRetries, "retries of a step that timed out on a lock (doubling backoff); 0: none")
@@ -33,38 +32,52 @@ func (r *rotateFlags) register(fs *flag.FlagSet, prefix string) {
 	optDuration(fs, &r.cfg.LockTTL, prefix+"lock-ttl", "the database's, idem.lock_ttl('rotate'): 10m", "lease of the rotate lock")
 }
 
-func runPartitions(ctx context.Context, io IO, g *globals, args []string) error {
-	if len(args) > 0 && isHelp(args[0]) {
-		fs := newFlagSet("partitions", io, g)
-		var r rotateFlags
-		r.register(fs.FlagSet, "")
-		return subcommandHelp(io.Out, "partitions rotate [flags] | list [--json]\n\nrotate: premake months, move default-partition rows, retire expired months; list: the partitions", fs)
-	}
-	scan := newFlagSet("partitions", io, g)
-	var scanned rotateFlags
-	scanned.register(scan.FlagSet, "")
-	sub, rest := subcommand(args, scan.FlagSet)
-	if sub == "" {
-		return usageErr("partitions needs a subcommand: rotate or list")
-	}
-	fs := newFlagSet("partitions "+sub, io, g)
+func newPartitionsCmd(a *app) *cobra.Command {
 	var r rotateFlags
-	asJSON := false
-	switch sub {
-	case "rotate":
-		r.register(fs.FlagSet, "")
-		fs.BoolVar(&r.failIfLocked, "fail-if-locked", false, "exit 4 instead of 0 when another instance holds the lock")
-	case "list":
-		fs.BoolVar(&asJSON, "json", false, "print JSON")
-	default:
-		return usageErr("unknown partitions subcommand %q: want rotate or list", sub)
+	cmd := &cobra.Command{
+		Use:   "partitions rotate|list",
+		Short: "monthly partitions: rotate (premake, retire, recover default rows) | list",
+		Example: `  idemctl partitions rotate --premake 3
+  idemctl partitions list --json`,
+		Args: cobra.ArbitraryArgs,
+		RunE: needSubcommand,
 	}
-	if err := fs.parse(rest); err != nil {
-		return err
+	rotate := &cobra.Command{
+		Use:     "rotate",
+		Short:   "premake months, move default-partition rows, retire expired months",
+		Example: "  idemctl partitions rotate\n  idemctl partitions rotate --premake 6 --keep-detached --fail-if-locked",
+		Args:    noArgs("partitions rotate"),
+		RunE: func(c *cobra.Command, _ []string) error {
+			if err := refuseFlags(c, "json"); err != nil {
+				return err
+			}
+			return a.runPartitions("rotate", r, false)
+		},
 	}
-	if fs.NArg() > 0 {
-		return usageErr("partitions %s takes no arguments, got %q", sub, fs.Args())
+	// Rotation's flags are the group's, so that they may come before the
+	// subcommand too (partitions --premake 3 rotate).
+	r.register(cmd.PersistentFlags(), "")
+	var asJSON bool
+	cmd.PersistentFlags().BoolVar(&r.failIfLocked, "fail-if-locked", false, "rotate: exit 4 instead of 0 when another instance holds the lock")
+	cmd.PersistentFlags().BoolVar(&asJSON, "json", false, "list: print JSON")
+	list := &cobra.Command{
+		Use:     "list",
+		Short:   "the partitions, their months, estimated rows and size",
+		Example: "  idemctl partitions list\n  idemctl partitions list --json",
+		Args:    noArgs("partitions list"),
+		RunE: func(c *cobra.Command, _ []string) error {
+			if err := refuseFlags(c, "premake", "keep-detached", "retries", "backoff", "lock-ttl", "fail-if-locked"); err != nil {
+				return err
+			}
+			return a.runPartitions("list", r, asJSON)
+		},
 	}
+	cmd.AddCommand(rotate, list)
+	return cmd
+}
+
+func (a *app) runPartitions(sub string, r rotateFlags, asJSON bool) error {
+	ctx, io, g := a.ctx, a.io, &a.g
 	if sub == "rotate" {
 		r.cfg.LockTimeout, r.cfg.StatementTimeout = g.timeouts()
 		if err := r.cfg.Validate(); err != nil {
@@ -160,7 +173,7 @@ func printPartitions(tw *tabwriter.Writer, rows []partitionJSON) {
 		if p.From != nil {
 			from, to = *p.From, *p.To
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\n", p.Name, from, to, p.EstRows, bytesHuman(p.TotalBytes))
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", p.Name, from, to, human(p.EstRows), bytesHuman(p.TotalBytes))
 	}
 }
 

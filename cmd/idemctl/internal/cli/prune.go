@@ -1,26 +1,24 @@
 package cli
 
 import (
-	"context"
 	"errors"
-	"flag"
 	"fmt"
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 	"os"
 	"time"
 
 	"github.com/idemkit/idem/internal/prune"
 )
 
-func init() {
-	register(command{name: "prune", summary: "delete expired keys in batches (one instance at a time)", run: runPrune})
-}
+func init() { register(newPruneCmd) }
 
 type pruneFlags struct {
 	cfg          prune.Config
 	failIfLocked bool
 }
 
-func (p *pruneFlags) register(fs *flag.FlagSet) {
+func (p *pruneFlags) register(fs *pflag.FlagSet) {
 	optInt(fs, &p.cfg.BatchSize, "batch-size", prune.DefaultBatchSize, "rows deleted per batch, 1 to 1000000")
 	optDuration(fs, &p.cfg.Sleep, "sleep", prune.DefaultSleep.String(), "pause between batches, jittered +-50%; 0: none")
 	fs.DurationVar(&p.cfg.MaxDuration, "max-duration", 0, "stop after this long (0: until nothing is left)")
@@ -28,48 +26,54 @@ func (p *pruneFlags) register(fs *flag.FlagSet) {
 	optInt(fs, &p.cfg.Retries, "batch-retries", prune.DefaultRetries, "retries of a batch that timed out on a table lock; 0: none")
 }
 
-func runPrune(ctx context.Context, io IO, g *globals, args []string) error {
-	fs := newFlagSet("prune", io, g)
+func newPruneCmd(a *app) *cobra.Command {
+	cmd := &cobra.Command{Use: "prune", Short: "delete expired keys in batches (one instance at a time)", Args: cobra.ArbitraryArgs,
+		Example: `  idemctl prune
+  idemctl prune --dry-run
+  idemctl prune --batch-size 10000 --max-duration 10m --fail-if-locked`}
+	fs := cmd.Flags()
 	var p pruneFlags
-	p.register(fs.FlagSet)
+	p.register(fs)
 	fs.BoolVar(&p.failIfLocked, "fail-if-locked", false, "exit 4 instead of 0 when another instance holds the lock")
 	fs.BoolVar(&p.cfg.DryRun, "dry-run", false, "report how many rows would be deleted; delete nothing")
-	if err := fs.parse(args); err != nil {
-		return err
-	}
-	if fs.NArg() > 0 {
-		return usageErr("prune takes no arguments, got %q", fs.Args())
-	}
-	p.cfg.LockTimeout, p.cfg.StatementTimeout = g.timeouts()
-	if err := p.cfg.Validate(); err != nil {
-		return configErr(err, pruneFlagNames)
-	}
-	log, err := g.logger(io.Err)
-	if err != nil {
-		return err
-	}
-	pool, err := g.connectMigrated(ctx, io.Env, 2)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	p.cfg.Logger = log
-	if isTerminal(io.Out) {
-		p.cfg.Progress = func(pr prune.Progress) {
-			fmt.Fprintf(io.Out, "\rdeleted %d rows in %d batches (%.0f rows/s)   ", pr.Deleted, pr.Batches, pr.Rate())
+	cmd.RunE = func(_ *cobra.Command, args []string) error {
+		ctx, io, g := a.ctx, a.io, &a.g
+		_, _ = ctx, g
+		if len(args) > 0 {
+			return usageErr("prune takes no arguments, got %q", args)
 		}
-	}
-	res, err := prune.Run(ctx, pool, p.cfg)
-	if p.cfg.Progress != nil && res != nil && res.Batches > 0 {
-		fmt.Fprintln(io.Out)
-	}
-	if err != nil {
-		if errors.Is(err, prune.ErrLockLost) {
-			return withCode(ExitLocked, err)
+		p.cfg.LockTimeout, p.cfg.StatementTimeout = g.timeouts()
+		if err := p.cfg.Validate(); err != nil {
+			return configErr(err, pruneFlagNames)
 		}
-		return err
+		log, err := g.logger(io.Err)
+		if err != nil {
+			return err
+		}
+		pool, err := g.connectMigrated(ctx, io.Env, 2)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		p.cfg.Logger = log
+		if isTerminal(io.Out) {
+			p.cfg.Progress = func(pr prune.Progress) {
+				fmt.Fprintf(io.Out, "\rdeleted %s rows in %s batches (%s rows/s)   ", human(pr.Deleted), human(int64(pr.Batches)), humanRate(pr.Rate()))
+			}
+		}
+		res, err := prune.Run(ctx, pool, p.cfg)
+		if p.cfg.Progress != nil && res != nil && res.Batches > 0 {
+			fmt.Fprintln(io.Out)
+		}
+		if err != nil {
+			if errors.Is(err, prune.ErrLockLost) {
+				return withCode(ExitLocked, err)
+			}
+			return err
+		}
+		return reportPrune(io, res, p.failIfLocked)
 	}
-	return reportPrune(io, res, p.failIfLocked)
+	return cmd
 }
 
 func reportPrune(io IO, res *prune.Result, failIfLocked bool) error {
@@ -82,10 +86,10 @@ func reportPrune(io IO, res *prune.Result, failIfLocked bool) error {
 		}
 		fmt.Fprintln(io.Out, msg)
 	case res.DryRun:
-		fmt.Fprintf(io.Out, "dry run: would delete %d expired rows\n", res.WouldDelete)
+		fmt.Fprintf(io.Out, "dry run: would delete %s expired rows\n", human(res.WouldDelete))
 	default:
-		fmt.Fprintf(io.Out, "deleted %d expired rows in %d batches in %s (%.0f rows/s); stopped: %s\n",
-			res.Deleted, res.Batches, res.Elapsed.Round(time.Millisecond), res.Rate(), res.Stopped)
+		fmt.Fprintf(io.Out, "deleted %s expired rows in %s batches in %s (%s rows/s); stopped: %s\n",
+			human(res.Deleted), human(int64(res.Batches)), res.Elapsed.Round(time.Millisecond), humanRate(res.Rate()), res.Stopped)
 	}
 	return nil
 }

@@ -91,11 +91,11 @@ func TestPruneDeletesExactlyTheExpired(t *testing.T) {
 	t.Parallel()
 	url, pool, want := threeMonths(t)
 	r := idemctl(t, context.Background(), nil, "prune", "--database-url", url, "--dry-run")
-	if r.code != 0 || !strings.Contains(r.out, "would delete 12000 expired rows") {
+	if r.code != 0 || !strings.Contains(r.out, "would delete 12,000 expired rows") {
 		t.Fatalf("dry run: %+v", r)
 	}
 	r = idemctl(t, context.Background(), nil, "prune", "--database-url", url, "--batch-size", "1000", "--sleep", "1ms")
-	if r.code != 0 || !strings.Contains(r.out, "deleted 12000 expired rows in 13 batches") {
+	if r.code != 0 || !strings.Contains(r.out, "deleted 12,000 expired rows in 13 batches") {
 		t.Fatalf("prune: %+v", r)
 	}
 	sameCounts(t, keysLeft(t, pool), want)
@@ -180,7 +180,7 @@ func requireOneDeletedOneSkipped(t *testing.T, outs [2]string, total int) {
 	deleted, skipped := 0, 0
 	for _, o := range outs {
 		switch {
-		case strings.Contains(o, fmt.Sprintf("deleted %d expired rows", total)):
+		case strings.Contains(o, "deleted "+human(int64(total))+" expired rows"):
 			deleted++
 		case strings.Contains(o, "skipped: another prune"):
 			skipped++

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/spf13/cobra"
 	"log/slog"
 	"net"
 	"net/http"
@@ -21,9 +22,7 @@ import (
 	"github.com/idemkit/idem/internal/prune"
 )
 
-func init() {
-	register(command{name: "run", summary: "daemon: prune, rotate and snapshot stats on cron schedules; /healthz, /metrics and (--http) the dashboard", run: runDaemon})
-}
+func init() { register(newRunCmd) }
 
 // cronParser accepts standard 5-field specs, an optional seconds field,
 // descriptors (@every 5m, @daily) and a CRON_TZ=Zone/Name prefix.
@@ -46,164 +45,185 @@ func parseSpec(flagName, spec string) (s cron.Schedule, err error) {
 // testHook, when set by tests, sees the scheduler before it starts.
 var testHook func(c *cron.Cron, m *metrics)
 
-func runDaemon(ctx context.Context, io IO, g *globals, args []string) error {
-	fs := newFlagSet("run", io, g)
+func newRunCmd(a *app) *cobra.Command {
+	cmd := &cobra.Command{Use: "run", Short: "daemon: prune, rotate and snapshot stats on cron schedules; /healthz, /metrics and (--http) the dashboard", Args: cobra.ArbitraryArgs,
+		Example: `  idemctl run
+  idemctl run --http --listen 127.0.0.1:9187
+  idemctl run --http --listen 10.0.0.5:9187 --http-trusted-proxy 10.0.0.2 --http-host idem.example.com`}
+	fs := cmd.Flags()
 	pruneSpec := fs.String("prune-schedule", "@every 5m", "when to prune (cron spec; CRON_TZ= prefix for a time zone)")
 	rotateSpec := fs.String("rotate-schedule", "@daily", "when to rotate partitions (cron spec)")
 	statsSpec := fs.String("stats-schedule", "@every 5m", "when to snapshot per-source key counts for the dashboard (cron spec; a scan of processed_events)")
-	listen := fs.String("listen", ":9187", "address for /healthz, /metrics and the dashboard (empty: no HTTP server)")
+	listen := fs.String("listen", ":9187", "address for /healthz, /metrics and the dashboard (empty: no HTTP server); with --http and no --listen, 127.0.0.1:9187: the dashboard listens beyond loopback only when an address is given")
 	serveDash := fs.Bool("http", false, "serve the dashboard at / on --listen (it has no authentication: listen on loopback or behind your proxy)")
 	dashActions := fs.Bool("http-actions", false, "let the dashboard replay dead letters (default read-only)")
 	dashResults := fs.Bool("http-results", false, "show stored results on the dashboard's keys page (they can hold personal data)")
 	var dashHosts hostList
 	fs.Var(&dashHosts, "http-host", "a host `name` the dashboard answers besides localhost, 127.0.0.1, ::1 and --listen's host, e.g. your proxy's when it forwards its own Host (repeat, or comma-separate; any other Host is refused with 421)")
+	var trusted proxyList
+	fs.Var(&trusted, "http-trusted-proxy", "the `address` (IP or CIDR) of the authenticating proxy in front of the dashboard, whose Remote-User header the audit log records (repeat, or comma-separate); from any other address the header is dropped")
+	var tmo httpTimeouts
+	fs.DurationVar(&tmo.read, "http-read-timeout", 30*time.Second, "how long the HTTP server waits for a request's headers and body")
+	fs.DurationVar(&tmo.write, "http-write-timeout", time.Minute, "how long a response may take to write, from the end of the request's headers")
+	fs.DurationVar(&tmo.idle, "http-idle-timeout", 2*time.Minute, "how long an idle keep-alive connection stays open")
 	riverSchema := fs.String("river-schema", "", "the schema of River's tables, for the dashboard's dead letters (default: the search_path)")
 	queue := fs.String("queue", inbox.DefaultQueue, "the inbox's River queue, for replays from the dashboard")
 	shutdownWait := fs.Duration("shutdown-timeout", 30*time.Second, "on SIGTERM, how long to wait for a running job to stop")
 	var pf pruneFlags
-	pf.register(fs.FlagSet)
+	pf.register(fs)
 	var rf rotateFlags
-	rf.register(fs.FlagSet, "rotate-")
-	if err := fs.parse(args); err != nil {
-		return err
-	}
-	if fs.NArg() > 0 {
-		return usageErr("run takes no arguments, got %q", fs.Args())
-	}
-	pf.cfg.LockTimeout, pf.cfg.StatementTimeout = g.timeouts()
-	rf.cfg.LockTimeout, rf.cfg.StatementTimeout = g.timeouts()
-	if err := pf.cfg.Validate(); err != nil {
-		return configErr(err, pruneFlagNames)
-	}
-	if err := rf.cfg.Validate(); err != nil {
-		return configErr(err, rotateFlagNames("rotate-"))
-	}
-	pruneSched, err := parseSpec("--prune-schedule", *pruneSpec)
-	if err != nil {
-		return err
-	}
-	rotateSched, err := parseSpec("--rotate-schedule", *rotateSpec)
-	if err != nil {
-		return err
-	}
-	statsSched, err := parseSpec("--stats-schedule", *statsSpec)
-	if err != nil {
-		return err
-	}
-	if (*serveDash || *dashActions || *dashResults || len(dashHosts) > 0) && *listen == "" {
-		return usageErr("--http needs --listen (an address such as 127.0.0.1:9187)")
-	}
-	if (*dashActions || *dashResults || len(dashHosts) > 0) && !*serveDash {
-		return usageErr("--http-actions, --http-results and --http-host need --http")
-	}
-	log, err := g.logger(io.Err)
-	if err != nil {
-		return err
-	}
-	pool, err := g.connectMigrated(ctx, io.Env, 6)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	// The rotation's flags against the database's bounds, before any job
-	// is scheduled: out of range is a usage error now, not a failure at
-	// every run.
-	if err := partition.CheckConfig(ctx, pgxdb.New(pool), rf.cfg); err != nil {
-		if errors.Is(err, partition.ErrInvalidConfig) {
+	rf.register(fs, "rotate-")
+	cmd.RunE = func(_ *cobra.Command, args []string) error {
+		ctx, io, g := a.ctx, a.io, &a.g
+		_, _ = ctx, g
+		if len(args) > 0 {
+			return usageErr("run takes no arguments, got %q", args)
+		}
+		pf.cfg.LockTimeout, pf.cfg.StatementTimeout = g.timeouts()
+		rf.cfg.LockTimeout, rf.cfg.StatementTimeout = g.timeouts()
+		if err := pf.cfg.Validate(); err != nil {
+			return configErr(err, pruneFlagNames)
+		}
+		if err := rf.cfg.Validate(); err != nil {
 			return configErr(err, rotateFlagNames("rotate-"))
 		}
-		return err
-	}
-
-	m := newMetrics(pool)
-	pf.cfg.Logger = log.With(slog.String("job", "prune"))
-	rf.cfg.Logger = log.With(slog.String("job", "rotate"))
-	cl := cronLogger{log}
-	// SkipIfStillRunning must wrap Recover, not the reverse: a panic that
-	// escapes SkipIfStillRunning loses its token and the job never runs
-	// again.
-	c := cron.New(cron.WithParser(cronParser), cron.WithLogger(cl),
-		cron.WithChain(cron.SkipIfStillRunning(cl), cron.Recover(cl)))
-	pruneID := c.Schedule(pruneSched, m.job(ctx, log, "prune", m.pruneJob(pool, pf.cfg, log)))
-	rotateID := c.Schedule(rotateSched, m.job(ctx, log, "rotate", func(ctx context.Context) (string, error) {
-		res, err := partition.Rotate(ctx, pool, rf.cfg)
+		pruneSched, err := parseSpec("--prune-schedule", *pruneSpec)
 		if err != nil {
-			return "error", err
+			return err
 		}
-		if res.Skipped {
-			return "skipped", nil
-		}
-		return "ok", nil
-	}))
-	statsID := c.Schedule(statsSched, m.job(ctx, log, "snapshot", snapshotJob(pool, log)))
-	// Each job's last success exists from the start (the daemon's start
-	// time until a run succeeds): "no successful prune for two hours" then
-	// fires even when no run ever succeeds, or none ever ends.
-	for _, job := range []string{"prune", "rotate", "snapshot"} {
-		m.lastOK.WithLabelValues(job).SetToCurrentTime()
-	}
-	if testHook != nil {
-		testHook(c, m)
-	}
-
-	var srv *http.Server
-	if *listen != "" {
-		var dash http.Handler
-		hosts := dashboardHosts(*listen, dashHosts)
-		if *serveDash {
-			if dash, err = newDashboard(ctx, pool, log, *riverSchema, *queue, *dashActions, *dashResults, hosts); err != nil {
-				return err
-			}
-		}
-		ln, err := net.Listen("tcp", *listen)
+		rotateSched, err := parseSpec("--rotate-schedule", *rotateSpec)
 		if err != nil {
-			return usageErr("--listen %s: %v", *listen, err)
+			return err
 		}
-		srv = &http.Server{Handler: m.handler(pool, log, dash), ReadHeaderTimeout: 5 * time.Second}
-		go func() { _ = srv.Serve(ln) }()
-		what := "/healthz and /metrics"
-		if dash != nil {
-			what += " and the dashboard at /"
-			if host, _, _ := net.SplitHostPort(ln.Addr().String()); !isLoopback(host) {
-				log.LogAttrs(ctx, slog.LevelWarn, "the dashboard has no authentication and listens beyond this machine: put it behind your authenticating proxy, or --listen 127.0.0.1:PORT",
-					slog.String("addr", ln.Addr().String()))
+		statsSched, err := parseSpec("--stats-schedule", *statsSpec)
+		if err != nil {
+			return err
+		}
+		if (*serveDash || *dashActions || *dashResults || len(dashHosts) > 0) && *listen == "" {
+			return usageErr("--http needs --listen (an address such as 127.0.0.1:9187)")
+		}
+		if (*dashActions || *dashResults || len(dashHosts) > 0 || len(trusted) > 0) && !*serveDash {
+			return usageErr("--http-actions, --http-results, --http-host and --http-trusted-proxy need --http")
+		}
+		if tmo.read <= 0 || tmo.write <= 0 || tmo.idle <= 0 {
+			return usageErr("--http-read-timeout, --http-write-timeout and --http-idle-timeout must be positive (a server without them keeps a slow or idle client's connection forever)")
+		}
+		// The dashboard has no authentication: on loopback unless an
+		// address is given.
+		*listen = listenAddr(*listen, cmd.Flags().Changed("listen"), *serveDash)
+		log, err := g.logger(io.Err)
+		if err != nil {
+			return err
+		}
+		pool, err := g.connectMigrated(ctx, io.Env, 6)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		// The rotation's flags against the database's bounds, before any job
+		// is scheduled: out of range is a usage error now, not a failure at
+		// every run.
+		if err := partition.CheckConfig(ctx, pgxdb.New(pool), rf.cfg); err != nil {
+			if errors.Is(err, partition.ErrInvalidConfig) {
+				return configErr(err, rotateFlagNames("rotate-"))
 			}
+			return err
 		}
-		attrs := []slog.Attr{slog.String("addr", ln.Addr().String())}
-		if dash != nil {
-			attrs = append(attrs, slog.String("dashboard_hosts", strings.Join(hosts, ",")))
-		}
-		log.LogAttrs(ctx, slog.LevelInfo, "serving "+what, attrs...)
-	}
-	c.Start()
-	log.LogAttrs(ctx, slog.LevelInfo, "idemctl run started",
-		slog.String("prune_schedule", *pruneSpec), slog.String("rotate_schedule", *rotateSpec),
-		slog.String("stats_schedule", *statsSpec))
-	// Once at start, rotation then prune, through the same chain (a run of
-	// the schedule that comes meanwhile is skipped, not doubled): a daemon
-	// restarted after a long stop, or with a daily rotation, does not wait
-	// for its first tick.
-	go func() {
-		c.Entry(rotateID).WrappedJob.Run()
-		c.Entry(pruneID).WrappedJob.Run()
-		c.Entry(statsID).WrappedJob.Run()
-	}()
 
-	<-ctx.Done()
-	log.LogAttrs(context.Background(), slog.LevelInfo, "shutting down: waiting for running jobs")
-	stopped := c.Stop() // running jobs see ctx cancelled: prune stops after its current batch
-	select {
-	case <-stopped.Done():
-	case <-time.After(*shutdownWait):
-		log.LogAttrs(context.Background(), slog.LevelWarn, "a job did not stop in time; exiting anyway (its transaction is rolled back by the server)")
+		m := newMetrics(pool)
+		pf.cfg.Logger = log.With(slog.String("job", "prune"))
+		rf.cfg.Logger = log.With(slog.String("job", "rotate"))
+		cl := cronLogger{log}
+		// SkipIfStillRunning must wrap Recover, not the reverse: a panic that
+		// escapes SkipIfStillRunning loses its token and the job never runs
+		// again.
+		c := cron.New(cron.WithParser(cronParser), cron.WithLogger(cl),
+			cron.WithChain(cron.SkipIfStillRunning(cl), cron.Recover(cl)))
+		pruneID := c.Schedule(pruneSched, m.job(ctx, log, "prune", m.pruneJob(pool, pf.cfg, log)))
+		rotateID := c.Schedule(rotateSched, m.job(ctx, log, "rotate", func(ctx context.Context) (string, error) {
+			res, err := partition.Rotate(ctx, pool, rf.cfg)
+			if err != nil {
+				return "error", err
+			}
+			if res.Skipped {
+				return "skipped", nil
+			}
+			return "ok", nil
+		}))
+		statsID := c.Schedule(statsSched, m.job(ctx, log, "snapshot", snapshotJob(pool, log)))
+		// Each job's last success exists from the start (the daemon's start
+		// time until a run succeeds): "no successful prune for two hours" then
+		// fires even when no run ever succeeds, or none ever ends.
+		for _, job := range []string{"prune", "rotate", "snapshot"} {
+			m.lastOK.WithLabelValues(job).SetToCurrentTime()
+		}
+		if testHook != nil {
+			testHook(c, m)
+		}
+
+		var srv *http.Server
+		if *listen != "" {
+			var dash http.Handler
+			hosts := dashboardHosts(*listen, dashHosts)
+			if *serveDash {
+				if dash, err = newDashboard(ctx, pool, log, *riverSchema, *queue, *dashActions, *dashResults, hosts); err != nil {
+					return err
+				}
+			}
+			ln, err := net.Listen("tcp", *listen)
+			if err != nil {
+				return usageErr("--listen %s: %v", *listen, err)
+			}
+			if dash != nil {
+				dash = trustProxies(dash, trusted)
+			}
+			srv = tmo.server(m.handler(pool, log, dash))
+			go func() { _ = srv.Serve(ln) }()
+			what := "/healthz and /metrics"
+			if dash != nil {
+				what += " and the dashboard at /"
+				if host, _, _ := net.SplitHostPort(ln.Addr().String()); !isLoopback(host) {
+					log.LogAttrs(ctx, slog.LevelWarn, "the dashboard has no authentication and listens beyond this machine: put it behind your authenticating proxy, or --listen 127.0.0.1:PORT",
+						slog.String("addr", ln.Addr().String()))
+				}
+			}
+			attrs := []slog.Attr{slog.String("addr", ln.Addr().String())}
+			if dash != nil {
+				attrs = append(attrs, slog.String("dashboard_hosts", strings.Join(hosts, ",")))
+			}
+			log.LogAttrs(ctx, slog.LevelInfo, "serving "+what, attrs...)
+		}
+		c.Start()
+		log.LogAttrs(ctx, slog.LevelInfo, "idemctl run started",
+			slog.String("prune_schedule", *pruneSpec), slog.String("rotate_schedule", *rotateSpec),
+			slog.String("stats_schedule", *statsSpec))
+		// Once at start, rotation then prune, through the same chain (a run of
+		// the schedule that comes meanwhile is skipped, not doubled): a daemon
+		// restarted after a long stop, or with a daily rotation, does not wait
+		// for its first tick.
+		go func() {
+			c.Entry(rotateID).WrappedJob.Run()
+			c.Entry(pruneID).WrappedJob.Run()
+			c.Entry(statsID).WrappedJob.Run()
+		}()
+
+		<-ctx.Done()
+		log.LogAttrs(context.Background(), slog.LevelInfo, "shutting down: waiting for running jobs")
+		stopped := c.Stop() // running jobs see ctx cancelled: prune stops after its current batch
+		select {
+		case <-stopped.Done():
+		case <-time.After(*shutdownWait):
+			log.LogAttrs(context.Background(), slog.LevelWarn, "a job did not stop in time; exiting anyway (its transaction is rolled back by the server)")
+		}
+		if srv != nil {
+			sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			_ = srv.Shutdown(sctx)
+		}
+		log.LogAttrs(context.Background(), slog.LevelInfo, "idemctl run stopped")
+		return nil
 	}
-	if srv != nil {
-		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		_ = srv.Shutdown(sctx)
-	}
-	log.LogAttrs(context.Background(), slog.LevelInfo, "idemctl run stopped")
-	return nil
+	return cmd
 }
 
 // stuckGrace is how long ago a processing key's lease must have ended for
@@ -354,4 +374,25 @@ type cronLogger struct{ l *slog.Logger }
 func (c cronLogger) Info(msg string, kv ...any) { c.l.Debug("cron: "+msg, kv...) }
 func (c cronLogger) Error(err error, msg string, kv ...any) {
 	c.l.Error("cron: "+msg, append(kv, "error", err)...)
+}
+
+// httpTimeouts are the daemon's HTTP server's timeouts (--http-*-timeout):
+// a client that sends slowly, reads slowly or keeps a connection idle
+// holds it only that long.
+type httpTimeouts struct{ read, write, idle time.Duration }
+
+func (t httpTimeouts) server(h http.Handler) *http.Server {
+	return &http.Server{Handler: h, ReadHeaderTimeout: min(5*time.Second, t.read), ReadTimeout: t.read,
+		WriteTimeout: t.write, IdleTimeout: t.idle}
+}
+
+// listenAddr is the daemon's listening address: --listen when given; with
+// --http and no --listen, loopback (the dashboard has no authentication,
+// so it is reachable from other machines only when an address says so);
+// otherwise --listen's default, every interface, for /healthz and /metrics.
+func listenAddr(listen string, given, dashboard bool) string {
+	if dashboard && !given {
+		return "127.0.0.1:9187"
+	}
+	return listen
 }

@@ -1,9 +1,9 @@
 package cli
 
 import (
-	"context"
 	"encoding/json"
 	"fmt"
+	"github.com/spf13/cobra"
 	"text/tabwriter"
 	"time"
 
@@ -11,9 +11,7 @@ import (
 	"github.com/idemkit/idem/inbox"
 )
 
-func init() {
-	register(command{name: "stats", summary: "per source: keys by status, duplicate rate, stuck leases; partition sizes", run: runStats})
-}
+func init() { register(newStatsCmd) }
 
 type sourceStats struct {
 	Source     string `json:"source"`
@@ -43,91 +41,96 @@ type statsOut struct {
 	Partitions []partitionJSON     `json:"partitions"`
 }
 
-func runStats(ctx context.Context, io IO, g *globals, args []string) error {
-	fs := newFlagSet("stats", io, g)
+func newStatsCmd(a *app) *cobra.Command {
+	cmd := &cobra.Command{Use: "stats", Short: "per source: keys by status, duplicate rate, stuck leases; partition sizes", Args: cobra.ArbitraryArgs,
+		Example: `  idemctl stats
+  idemctl stats --json`}
+	fs := cmd.Flags()
 	asJSON := fs.Bool("json", false, "print JSON")
 	riverSchema := fs.String("river-schema", "", "the schema of River's tables, for the inbox's counts (default: the search_path)")
-	if err := fs.parse(args); err != nil {
-		return err
-	}
-	if fs.NArg() > 0 {
-		return usageErr("stats takes no arguments, got %q", fs.Args())
-	}
-	if _, err := g.logger(io.Err); err != nil {
-		return err
-	}
-	pool, err := g.connectMigrated(ctx, io.Env, 2)
-	if err != nil {
-		return err
-	}
-	defer pool.Close()
-	q := pgxdb.New(pool)
-	rows, err := q.SourceStats(ctx)
-	if err != nil {
-		return err
-	}
-	var out statsOut
-	for _, r := range rows {
-		s := sourceStats{Source: r.Source, Keys: r.Keys, Processing: r.Processing, Completed: r.Completed,
-			Unstored: r.Unstored, Released: r.Released, Failed: r.Failed, Duplicates: r.Duplicates, DuplicateSampling: r.DuplicateSampling, Retried: r.Retried, Stuck: r.Stuck, Expired: r.Expired}
-		// Each key is one new delivery; every other delivery was a duplicate.
-		if total := r.Keys + r.Duplicates; total > 0 {
-			s.DuplicateRate = float64(r.Duplicates) / float64(total)
+	cmd.RunE = func(_ *cobra.Command, args []string) error {
+		ctx, io, g := a.ctx, a.io, &a.g
+		_, _ = ctx, g
+		if len(args) > 0 {
+			return usageErr("stats takes no arguments, got %q", args)
 		}
-		if r.Oldest.Valid {
-			o, n := r.Oldest.Time.UTC(), r.Newest.Time.UTC()
-			s.Oldest, s.Newest = &o, &n
+		if _, err := g.logger(io.Err); err != nil {
+			return err
 		}
-		out.Sources = append(out.Sources, s)
-	}
-	// The inbox's reconciliation; an error reading River's side is shown,
-	// and never keeps idem's own statistics from printing.
-	out.Inbox, err = inbox.Reconcile(ctx, pool, *riverSchema)
-	if err != nil {
-		out.InboxError = err.Error()
-	}
-	parts, err := q.ListPartitions(ctx)
-	if err != nil {
-		return err
-	}
-	out.Partitions = partitionRows(parts)
-	if out.Sources == nil {
-		out.Sources = []sourceStats{}
-	}
-	if *asJSON {
-		enc := json.NewEncoder(io.Out)
-		enc.SetIndent("", "  ")
-		return enc.Encode(out)
-	}
-	tw := tabwriter.NewWriter(io.Out, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "SOURCE\tKEYS\tPROCESSING\tCOMPLETED\tNO RESULT\tRETRY\tFAILED\tDUPLICATES\tDUP RATE\tRETRIED\tSTUCK\tEXPIRED\tOLDEST\tNEWEST")
-	for _, s := range out.Sources {
-		oldest, newest := "-", "-"
-		if s.Oldest != nil {
-			oldest, newest = s.Oldest.Format(time.DateTime), s.Newest.Format(time.DateTime)
+		pool, err := g.connectMigrated(ctx, io.Env, 2)
+		if err != nil {
+			return err
 		}
-		dups, rate := s.duplicates()
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%d\t%s\t%s\t%d\t%d\t%d\t%s\t%s\n", s.Source, s.Keys, s.Processing,
-			s.Completed, s.Unstored, s.Released, s.Failed, dups, rate, s.Retried, s.Stuck, s.Expired, oldest, newest)
-	}
-	if len(out.Sources) == 0 {
-		fmt.Fprintln(tw, "(no keys)")
-	}
-	fmt.Fprintln(tw)
-	if len(out.Inbox) > 0 {
-		// accepted = processed + dead-lettered + queued, per source.
-		fmt.Fprintln(tw, "INBOX SOURCE\tACCEPTED\tPROCESSED\tDEAD-LETTERED\tQUEUED\tRUNNING\tRETRYING\tUNACCOUNTED\tBALANCED")
-		for _, s := range out.Inbox {
-			fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%s\t%s\t%s\t%v\n", s.Source, s.Accepted, s.Processed, s.Dead, s.Queued,
-				known(s.Running), known(s.Retrying), known(s.Unaccounted), s.Balanced())
+		defer pool.Close()
+		q := pgxdb.New(pool)
+		rows, err := q.SourceStats(ctx)
+		if err != nil {
+			return err
+		}
+		var out statsOut
+		for _, r := range rows {
+			s := sourceStats{Source: r.Source, Keys: r.Keys, Processing: r.Processing, Completed: r.Completed,
+				Unstored: r.Unstored, Released: r.Released, Failed: r.Failed, Duplicates: r.Duplicates, DuplicateSampling: r.DuplicateSampling, Retried: r.Retried, Stuck: r.Stuck, Expired: r.Expired}
+			// Each key is one new delivery; every other delivery was a duplicate.
+			if total := r.Keys + r.Duplicates; total > 0 {
+				s.DuplicateRate = float64(r.Duplicates) / float64(total)
+			}
+			if r.Oldest.Valid {
+				o, n := r.Oldest.Time.UTC(), r.Newest.Time.UTC()
+				s.Oldest, s.Newest = &o, &n
+			}
+			out.Sources = append(out.Sources, s)
+		}
+		// The inbox's reconciliation; an error reading River's side is shown,
+		// and never keeps idem's own statistics from printing.
+		out.Inbox, err = inbox.Reconcile(ctx, pool, *riverSchema)
+		if err != nil {
+			out.InboxError = err.Error()
+		}
+		parts, err := q.ListPartitions(ctx)
+		if err != nil {
+			return err
+		}
+		out.Partitions = partitionRows(parts)
+		if out.Sources == nil {
+			out.Sources = []sourceStats{}
+		}
+		if *asJSON {
+			enc := json.NewEncoder(io.Out)
+			enc.SetIndent("", "  ")
+			return enc.Encode(out)
+		}
+		tw := tabwriter.NewWriter(io.Out, 0, 0, 2, ' ', 0)
+		fmt.Fprintln(tw, "SOURCE\tKEYS\tPROCESSING\tCOMPLETED\tNO RESULT\tRETRY\tFAILED\tDUPLICATES\tDUP RATE\tRETRIED\tSTUCK\tEXPIRED\tOLDEST\tNEWEST")
+		for _, s := range out.Sources {
+			oldest, newest := "-", "-"
+			if s.Oldest != nil {
+				oldest, newest = s.Oldest.Format(time.DateTime), s.Newest.Format(time.DateTime)
+			}
+			dups, rate := s.duplicates()
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", s.Source, human(s.Keys), human(s.Processing),
+				human(s.Completed), human(s.Unstored), human(s.Released), human(s.Failed), dups, rate, human(s.Retried), human(s.Stuck), human(s.Expired), oldest, newest)
+		}
+		if len(out.Sources) == 0 {
+			fmt.Fprintln(tw, "(no keys)")
 		}
 		fmt.Fprintln(tw)
+		if len(out.Inbox) > 0 {
+			// accepted = processed + dead-lettered + queued, per source.
+			fmt.Fprintln(tw, "INBOX SOURCE\tACCEPTED\tPROCESSED\tDEAD-LETTERED\tQUEUED\tRUNNING\tRETRYING\tUNACCOUNTED\tBALANCED")
+			for _, s := range out.Inbox {
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%v\n", s.Source, human(s.Accepted), human(s.Processed), human(s.Dead), human(s.Queued),
+					known(s.Running), known(s.Retrying), known(s.Unaccounted), s.Balanced())
+			}
+			fmt.Fprintln(tw)
+		}
+		if out.InboxError != "" {
+			fmt.Fprintf(tw, "inbox: %s\n\n", out.InboxError)
+		}
+		printPartitions(tw, out.Partitions)
+		return tw.Flush()
 	}
-	if out.InboxError != "" {
-		fmt.Fprintf(tw, "inbox: %s\n\n", out.InboxError)
-	}
-	printPartitions(tw, out.Partitions)
-	return tw.Flush()
+	return cmd
 }
 
 // duplicates prints the duplicate count and rate as what they are: exact
@@ -138,9 +141,9 @@ func (s sourceStats) duplicates() (count, rate string) {
 	case s.DuplicateSampling <= 0:
 		return "- (not counted)", "-"
 	case s.DuplicateSampling == 1:
-		return fmt.Sprint(s.Duplicates), fmt.Sprintf("%.1f%%", 100*s.DuplicateRate)
+		return human(s.Duplicates), fmt.Sprintf("%.1f%%", 100*s.DuplicateRate)
 	}
-	return fmt.Sprintf("~%d (1 in %d counted)", s.Duplicates, s.DuplicateSampling), fmt.Sprintf("~%.1f%%", 100*s.DuplicateRate)
+	return fmt.Sprintf("~%s (1 in %d counted)", human(s.Duplicates), s.DuplicateSampling), fmt.Sprintf("~%.1f%%", 100*s.DuplicateRate)
 }
 
 // known prints a count, or "?" for one that could not be read (-1).
@@ -148,5 +151,5 @@ func known(n int64) string {
 	if n < 0 {
 		return "?"
 	}
-	return fmt.Sprint(n)
+	return human(n)
 }

@@ -151,7 +151,8 @@ func TestCheck(t *testing.T) {
 	}
 	// Rows in the default partition are no problem of their own: they stay
 	// there until prune deletes them (no rotation can move them).
-	for _, want := range []string{"20 expired rows wait for prune (threshold 10)", "1 keys stuck in processing"} {
+	// The stuck key is named, with when its lease ended.
+	for _, want := range []string{"20 expired rows wait for prune (threshold 10)", "1 key stuck in processing more than 10m0s past its lease (threshold 0): s/stuck (lease ended 20"} {
 		if !strings.Contains(r.errout, want) {
 			t.Errorf("check output lacks %q:\n%s", want, r.errout)
 		}

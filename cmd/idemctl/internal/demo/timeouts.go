@@ -108,7 +108,7 @@ func Timeouts(ctx context.Context, pool *pgxpool.Pool, cfg TimeoutsConfig, log *
 		if err != nil {
 			return nil, err
 		}
-		rc, err := in.NewWorkerClient(cfg.Events*cfg.Deliveries, nil)
+		rc, err := in.NewWorkerClient(0, nil) // as many handlers as the pool serves
 		if err != nil {
 			return nil, err
 		}
