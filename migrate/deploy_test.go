@@ -5,8 +5,10 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"io/fs"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -19,6 +21,7 @@ import (
 	"github.com/idemkit/idem/internal/sqlstate"
 	"github.com/idemkit/idem/internal/testdb"
 	"github.com/idemkit/idem/migrate"
+	"github.com/idemkit/idem/sql/migrations"
 )
 
 // Tried as a team deploying would: a rolling deploy whose migration runs
@@ -42,7 +45,10 @@ func TestUpgradeUnderClaimLoad(t *testing.T) {
 		hold        = 3 * time.Second
 		lockTimeout = 100 * time.Millisecond
 	)
-	for from := int64(1); from < migrate.Latest(); from++ {
+	for _, from := range migrationVersions(0) {
+		if from == migrate.Latest() {
+			continue
+		}
 		t.Run(fmt.Sprintf("from %d", from), func(t *testing.T) {
 			ctx := context.Background()
 			url := testdb.NewEmpty(t)
@@ -199,10 +205,7 @@ func TestRacingMigrateUpThroughPgBouncer(t *testing.T) {
 			}
 		}
 		slices.Sort(versions)
-		var want []int64
-		for v := from + 1; v <= migrate.Latest(); v++ {
-			want = append(want, v)
-		}
+		want := migrationVersions(from)
 		if !slices.Equal(versions, want) {
 			t.Fatalf("from %d: the two migrators applied %v (first %d, second %d steps), want each of %v once",
 				from, versions, len(results[0]), len(results[1]), want)
@@ -212,8 +215,8 @@ func TestRacingMigrateUpThroughPgBouncer(t *testing.T) {
 		if err := direct.QueryRowContext(ctx, `SELECT count(*), count(DISTINCT version_id) FROM idem.goose_db_version WHERE version_id > 0`).Scan(&rows, &distinct); err != nil {
 			t.Fatal(err)
 		}
-		if rows != migrate.Latest() || distinct != rows {
-			t.Fatalf("from %d: the version table holds %d rows of %d versions, want %d", from, rows, distinct, migrate.Latest())
+		if all := int64(len(migrationVersions(0))); rows != all || distinct != rows {
+			t.Fatalf("from %d: the version table holds %d rows of %d versions, want %d", from, rows, distinct, all)
 		}
 		var locks int
 		if err := direct.QueryRowContext(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) AND classid = 0 AND objid = $1 AND objsubid = 1`,
@@ -352,4 +355,19 @@ func TestUpGivesUpWithErrLockTimeout(t *testing.T) {
 	if _, err := migrate.New(db, migrate.Config{Retries: -2}); err == nil {
 		t.Error("Retries -2 was accepted")
 	}
+}
+
+// migrationVersions are the versions of sql/migrations after from, in
+// order (numbers may have gaps).
+func migrationVersions(from int64) []int64 {
+	entries, _ := fs.ReadDir(migrations.FS, ".")
+	var vs []int64
+	for _, e := range entries {
+		num, _, ok := strings.Cut(e.Name(), "_")
+		if n, err := strconv.ParseInt(num, 10, 64); ok && err == nil && n > from && strings.HasSuffix(e.Name(), ".sql") {
+			vs = append(vs, n)
+		}
+	}
+	slices.Sort(vs)
+	return vs
 }

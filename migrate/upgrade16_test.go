@@ -75,7 +75,7 @@ func TestUpgradeTo16(t *testing.T) {
 		t.Fatalf("version 16, read-write: %v, counted %d, want %d", err, counted(), before+1)
 	}
 
-	if _, err := p.Down(ctx); err != nil {
+	if _, err := p.DownTo(ctx, 15); err != nil {
 		t.Fatal(err)
 	}
 	if err := readOnly(); !isCode(err, "25006") {
