@@ -46,6 +46,8 @@ const (
 	DefaultQueryTimeout   = 5 * time.Second
 	// DefaultReplayLimit is the most dead letters one replay goes through.
 	DefaultReplayLimit = 10000
+	// DefaultMaxPages is how many pages are served at once (Config.MaxPages).
+	DefaultMaxPages = 4
 )
 
 // ErrInvalidConfig is matched by New's errors.
@@ -92,6 +94,13 @@ type Config struct {
 	// normally left empty: the rebound page does not have the operator's
 	// credentials, which the browser keeps for the real name.
 	AllowedHosts []string
+	// MaxPages bounds the pages served at once (0: DefaultMaxPages): a
+	// page asked for while that many are being served is answered 503 with
+	// Retry-After at once, without a query, so that a storm of page loads
+	// never holds more than MaxPages of Pool's connections. Give the
+	// dashboard a pool of its own (or MaxPages below the pool's size) so
+	// that the process's probes and jobs never wait behind pages.
+	MaxPages int
 	// Logger logs every action (who asked is the request's remote address
 	// and, when set by your middleware, its Remote-User header), every
 	// cross-origin action and request for a host not allowed that it
@@ -105,6 +114,7 @@ type Dashboard struct {
 	log   *slog.Logger
 	root  http.Handler
 	hosts map[string]bool // Config.AllowedHosts, normalized; nil: any
+	pages chan struct{}   // a slot per page served at once (Config.MaxPages)
 }
 
 // New validates cfg and returns the dashboard.
@@ -121,6 +131,8 @@ func New(cfg Config) (*Dashboard, error) {
 		return nil, bad("QueryTimeout", "%s is negative", cfg.QueryTimeout)
 	case cfg.ReplayLimit < 0:
 		return nil, bad("ReplayLimit", "%d is negative", cfg.ReplayLimit)
+	case cfg.MaxPages < 0:
+		return nil, bad("MaxPages", "%d is negative", cfg.MaxPages)
 	}
 	if cfg.Prefix != "" && (!strings.HasPrefix(cfg.Prefix, "/") || strings.HasSuffix(cfg.Prefix, "/") || strings.ContainsAny(cfg.Prefix, "?#{}")) {
 		return nil, bad("Prefix", "%q must start with / and not end with one (e.g. \"/idem\")", cfg.Prefix)
@@ -141,7 +153,8 @@ func New(cfg Config) (*Dashboard, error) {
 	}
 	cfg.QueryTimeout = cmp.Or(cfg.QueryTimeout, DefaultQueryTimeout)
 	cfg.ReplayLimit = cmp.Or(cfg.ReplayLimit, DefaultReplayLimit)
-	d := &Dashboard{cfg: cfg, log: cmp.Or(cfg.Logger, slog.Default()), hosts: hosts}
+	cfg.MaxPages = cmp.Or(cfg.MaxPages, DefaultMaxPages)
+	d := &Dashboard{cfg: cfg, log: cmp.Or(cfg.Logger, slog.Default()), hosts: hosts, pages: make(chan struct{}, cfg.MaxPages)}
 
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /{$}", d.overview)
@@ -182,7 +195,26 @@ func (d *Dashboard) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		http.Redirect(w, r, d.cfg.Prefix+"/", http.StatusMovedPermanently)
 		return
 	}
+	if !strings.HasPrefix(r.URL.Path, d.cfg.Prefix+"/static/") {
+		select {
+		case d.pages <- struct{}{}:
+			defer func() { <-d.pages }()
+		default:
+			d.busy(w, r)
+			return
+		}
+	}
 	d.root.ServeHTTP(w, r)
+}
+
+// busy answers a page asked for while Config.MaxPages are being served:
+// shed at once, before any query, so that pages never queue for the
+// database's connections.
+func (d *Dashboard) busy(w http.ResponseWriter, r *http.Request) {
+	d.log.LogAttrs(r.Context(), slog.LevelWarn, "dashboard: busy, page shed",
+		slog.String("path", r.URL.Path), slog.String("remote", r.RemoteAddr), slog.Int("max_pages", d.cfg.MaxPages))
+	w.Header().Set("Retry-After", "1")
+	http.Error(w, "the dashboard is busy: too many pages at once (Config.MaxPages); try again", http.StatusServiceUnavailable)
 }
 
 // crossOrigin answers an action request that came from another origin.

@@ -12,12 +12,21 @@ import (
 	"github.com/idemkit/idem/db/pgxdb"
 )
 
+// ExactRate is idem.exact_counting_rate() (migration 19): below this many
+// claims a minute, a source's every claim is counted in idem.activity;
+// at or above it, 1 in the policy's duplicate_sampling, as that many.
+const ExactRate = 600
+
 // sourceView is one source's card on the overview.
 type sourceView struct {
 	Source string
-	// Sampling is the policy's duplicate_sampling: 1 in that many claims
-	// is counted, as that many (counts are estimates above 1; 0: none).
+	// Sampling is the policy's duplicate_sampling: above ExactRate claims
+	// a minute, 1 in that many claims is counted, as that many (0: none).
 	Sampling int32
+	// Estimated: some minute of the last 24 hours reached ExactRate with
+	// Sampling above 1, so its counts may be sampled; below it every
+	// claim is counted (migration 19) and the figures are exact.
+	Estimated bool
 	// From idem.activity.
 	ClaimsPerMinute float64 // over the last 15 minutes
 	Rate1h, Rate24h float64 // NaN without claims
@@ -95,9 +104,13 @@ func buildOverview(now time.Time, threshold float64, activity []pgxdb.DashActivi
 		card(p.Source).Sampling = p.DuplicateSampling
 	}
 	perSource := map[string][]pgxdb.DashActivityRow{}
+	busy := map[string]bool{} // a minute at or above ExactRate
 	for _, a := range activity {
 		card(a.Source)
 		perSource[a.Source] = append(perSource[a.Source], a)
+		if a.Acquired+a.Duplicates >= ExactRate {
+			busy[a.Source] = true
+		}
 	}
 	v := overviewView{Threshold: threshold}
 	for i := range snaps {
@@ -118,6 +131,7 @@ func buildOverview(now time.Time, threshold float64, activity []pgxdb.DashActivi
 		if c.Sampling < 0 {
 			c.Sampling = defaultSampling
 		}
+		c.Estimated = c.Sampling > 1 && busy[c.Source]
 		hour := buckets(perSource[c.Source], end.Add(-time.Hour), time.Minute, 60)
 		day := buckets(perSource[c.Source], end.Add(-24*time.Hour), 30*time.Minute, 48)
 		var last15 int64
