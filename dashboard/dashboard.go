@@ -161,6 +161,8 @@ func New(cfg Config) (*Dashboard, error) {
 	mux.HandleFunc("GET /keys", d.keys)
 	mux.HandleFunc("GET /dead", d.deadLetters)
 	mux.HandleFunc("GET /maintenance", d.maintenance)
+	mux.HandleFunc("GET /jobs", d.jobs)
+	mux.HandleFunc("GET /timeline", d.timeline)
 	mux.Handle("GET /static/", http.FileServerFS(staticFS))
 	// Browsers ask for /favicon.ico on pages without a link (a plain-text
 	// error); at the root, answer it rather than log a 404.
@@ -185,8 +187,9 @@ func New(cfg Config) (*Dashboard, error) {
 func (d *Dashboard) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("X-Content-Type-Options", "nosniff")
 	w.Header().Set("Referrer-Policy", "same-origin")
-	// No script, no frame: the pages need neither.
-	w.Header().Set("Content-Security-Policy", "default-src 'self'; script-src 'none'; frame-ancestors 'none'; form-action 'self'")
+	// No script but the dashboard's own (static/live.js: the live
+	// refresh), no frame.
+	w.Header().Set("Content-Security-Policy", "default-src 'self'; script-src 'self'; frame-ancestors 'none'; form-action 'self'")
 	if d.hosts != nil && !d.hostAllowed(r.Host) {
 		d.misdirected(w, r)
 		return
