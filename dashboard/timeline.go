@@ -124,7 +124,7 @@ func buildTimeline(now time.Time, rows []pgxdb.DashKeyRow, holds []pgxdb.DashKey
 	for _, j := range jobs {
 		kind, what := "job", fmt.Sprintf("job %d enqueued", j.ID)
 		if j.Replay {
-			kind, what = "replay", fmt.Sprintf("replayed: job %d enqueued", j.ID)
+			kind, what = "replay", fmt.Sprintf("replayed: job %d enqueued, replacing the dead letter's job %d (its attempts are gone with it)", j.ID, j.ReplayOf)
 		}
 		add(j.CreatedAt, kind, what, "")
 		for _, e := range j.Errors {

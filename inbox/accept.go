@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 
@@ -167,8 +168,13 @@ func (in *Inbox) enqueue(ctx context.Context, tx pgx.Tx, cl *idem.Claim, j Job) 
 func (in *Inbox) insertOpts(j Job) *river.InsertOpts {
 	// The event type and acceptance time are in the metadata too, so that
 	// listing dead letters never reads the args, which hold the payload.
-	meta, _ := json.Marshal(map[string]string{"idem_source": j.Source, "idem_key": j.Key,
-		"idem_event_type": j.EventType, "idem_accepted_at": j.AcceptedAt.UTC().Format(time.RFC3339Nano)})
+	m := map[string]string{"idem_source": j.Source, "idem_key": j.Key,
+		"idem_event_type": j.EventType, "idem_accepted_at": j.AcceptedAt.UTC().Format(time.RFC3339Nano)}
+	if j.replayOf != 0 {
+		// A replay's job: the dashboard marks it (inbox.JobInfo.Replay).
+		m["idem_replay_of"] = strconv.FormatInt(j.replayOf, 10)
+	}
+	meta, _ := json.Marshal(m)
 	n := j.MaxAttempts
 	if n < 1 {
 		n = in.maxAttempts(j.Source)

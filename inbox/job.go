@@ -43,6 +43,9 @@ type Job struct {
 	Target  string `json:"target,omitempty"`
 	Host    string `json:"host,omitempty"`
 	Pattern string `json:"pattern,omitempty"`
+	// replayOf is the job a replay's new job replaces (not part of the
+	// args: it goes to the metadata, as idem_replay_of).
+	replayOf int64
 }
 
 // Kind implements river.JobArgs.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/riverqueue/river/rivertype"
@@ -30,9 +31,12 @@ type JobInfo struct {
 	FinalizedAt time.Time `json:"finalized_at,omitzero"`
 	// Errors are its failed attempts, oldest first (River's record).
 	Errors []JobError `json:"errors,omitempty"`
-	// Replay: an earlier job of the same event exists (this one was
-	// enqueued by a replay, or a repair).
+	// Replay: enqueued by a replay (Inbox.Replay: the dead letters page,
+	// idemctl inbox replay), which replaces the dead letter's job.
 	Replay bool `json:"replay"`
+	// ReplayOf is the job a replay's job replaced (0: not a replay, or
+	// replayed by an earlier version).
+	ReplayOf int64 `json:"replay_of,omitempty"`
 }
 
 // JobError is one failed attempt of a job.
@@ -57,7 +61,8 @@ var JobStates = []rivertype.JobState{rivertype.JobStateAvailable, rivertype.JobS
 // jobColumns are read for every JobInfo (metadata, never args).
 const jobColumns = `j.id, coalesce(j.metadata->>'idem_source', ''), coalesce(j.metadata->>'idem_key', ''),
        coalesce(j.metadata->>'idem_event_type', ''), j.state::text, j.attempt, j.max_attempts,
-       j.created_at, j.scheduled_at, j.attempted_at, j.finalized_at, pg_catalog.to_jsonb(coalesce(j.errors, '{}'))`
+       j.created_at, j.scheduled_at, j.attempted_at, j.finalized_at, pg_catalog.to_jsonb(coalesce(j.errors, '{}')),
+       coalesce(j.metadata->>'idem_replay_of', '')`
 
 // Jobs lists up to limit (1 to 1000) of the inbox queue's jobs in state:
 // waiting and running jobs in the order River runs them, finished ones
@@ -77,23 +82,19 @@ func (in *Inbox) Jobs(ctx context.Context, state rivertype.JobState, limit int) 
 		return nil, fmt.Errorf("inbox: jobs: %q is not a job state", state)
 	}
 	table := riverTable(in.cfg.Schema, "river_job")
-	return in.queryJobs(ctx, `SELECT `+jobColumns+`,
-	       EXISTS (SELECT 1 FROM `+table+` o WHERE o.metadata @> pg_catalog.jsonb_build_object('idem_source', j.metadata->'idem_source', 'idem_key', j.metadata->'idem_key') AND o.id < j.id)
+	return in.queryJobs(ctx, `SELECT `+jobColumns+`
 	  FROM `+table+` j WHERE `+where+` ORDER BY `+order+` LIMIT $3`, string(state), in.cfg.Queue, limit)
 }
 
 // KeyJobs lists every job River still has of one event (source, key),
-// oldest first: the first delivery's, then any replay's (found by the
-// jobs' metadata, on River's index of it).
+// oldest first (found by the jobs' metadata, on River's index of it): a
+// replay replaces the dead letter's job, so a replayed event has the
+// replay's job.
 func (in *Inbox) KeyJobs(ctx context.Context, source, key string) ([]JobInfo, error) {
 	table := riverTable(in.cfg.Schema, "river_job")
-	jobs, err := in.queryJobs(ctx, `SELECT `+jobColumns+`, false
+	return in.queryJobs(ctx, `SELECT `+jobColumns+`
 	  FROM `+table+` j WHERE j.metadata @> pg_catalog.jsonb_build_object('idem_source', $1::text, 'idem_key', $2::text)
 	 ORDER BY j.id LIMIT 100`, source, key)
-	for i := range jobs {
-		jobs[i].Replay = i > 0
-	}
-	return jobs, err
 }
 
 // JobCounts counts the inbox queue's jobs in each of JobStates, each up to
@@ -133,9 +134,14 @@ func (in *Inbox) queryJobs(ctx context.Context, sql string, args ...any) ([]JobI
 		var state string
 		var attempted, finalized *time.Time
 		var errs []byte
+		var replayOf string
 		if err := rows.Scan(&j.ID, &j.Source, &j.Key, &j.EventType, &state, &j.Attempt, &j.MaxAttempts,
-			&j.CreatedAt, &j.ScheduledAt, &attempted, &finalized, &errs, &j.Replay); err != nil {
+			&j.CreatedAt, &j.ScheduledAt, &attempted, &finalized, &errs, &replayOf); err != nil {
 			return nil, jobsErr(err)
+		}
+		if replayOf != "" {
+			j.Replay = true
+			j.ReplayOf, _ = strconv.ParseInt(replayOf, 10, 64)
 		}
 		j.State = rivertype.JobState(state)
 		if attempted != nil {

@@ -10,12 +10,12 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/chromedp/chromedp"
 	"github.com/jackc/pgx/v5"
-	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/rivertype"
 
 	"github.com/idemkit/idem"
@@ -68,12 +68,14 @@ func TestDashboardLiveInBrowser(t *testing.T) {
 	}
 
 	// The inbox: ord_r00 keeps failing (retrying, its next attempt an
-	// hour away), ord_d* fail for good (dead letters), the others succeed.
-	in, err := inbox.New(inbox.Config{Pool: pool, Logger: slog.New(slog.DiscardHandler), Handler: func(ctx context.Context, tx pgx.Tx, d *inbox.Delivery) (any, error) {
+	// hour away), ord_d* fail for good (dead letters) until fixed, the
+	// others succeed.
+	var fixed atomic.Bool
+	in, err := inbox.New(inbox.Config{Pool: pool, Logger: slog.New(slog.DiscardHandler), RetryPolicy: retryInAnHour{}, Handler: func(ctx context.Context, tx pgx.Tx, d *inbox.Delivery) (any, error) {
 		switch {
 		case strings.HasPrefix(d.Key, "ord_r"):
 			return nil, errors.New("POST https://erp.internal/orders: 503 Service Unavailable")
-		case strings.HasPrefix(d.Key, "ord_d"):
+		case strings.HasPrefix(d.Key, "ord_d") && !fixed.Load():
 			return nil, idem.Permanent(errors.New("erp answered 422: unknown customer"))
 		}
 		return nil, nil
@@ -86,7 +88,7 @@ func TestDashboardLiveInBrowser(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	rc, err := in.NewWorkerClient(2, &river.Config{RetryPolicy: retryInAnHour{}})
+	rc, err := in.NewWorkerClient(2, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -167,9 +169,15 @@ func TestDashboardLiveInBrowser(t *testing.T) {
 		}
 		return s
 	}
+	// shot writes the page (the viewport only, for the overview's long
+	// list of cards).
 	shot := func(name string) chromedp.Action[chromedp.Void] {
 		return chromedp.Func(func(ctx context.Context, tg *chromedp.Target) error {
-			buf, err := chromedp.FullScreenshot(100)(ctx, tg)
+			take := chromedp.FullScreenshot(100)
+			if strings.HasPrefix(name, "overview") || name == "summary" {
+				take = chromedp.CaptureScreenshot()
+			}
+			buf, err := take(ctx, tg)
 			if err != nil {
 				return err
 			}
@@ -220,21 +228,50 @@ func TestDashboardLiveInBrowser(t *testing.T) {
 	if dead := eval(`String(document.querySelectorAll('#jobs-cancelled tr[data-job]').length)`); dead != "3" {
 		t.Errorf("%s dead jobs listed, want 3", dead)
 	}
+
+	// A replay, with the jobs page open: the replayed job appears, marked
+	// as a replay, and moves to completed without a reload.
+	eval(`window.notReloaded = "yes"; "ok"`)
+	fixed.Store(true)
+	if res, err := in.Replay(ctx, inbox.Filter{Source: "shop", Key: "ord_d00", Limit: 1}); err != nil || len(res) != 1 || res[0].Outcome != "replayed" {
+		t.Fatalf("replay: %v %+v", err, res)
+	}
+	for deadline := time.Now().Add(60 * time.Second); eval(`String(!!document.querySelector('#jobs-completed tr.replay[data-state="completed"]'))`) != "true"; time.Sleep(100 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			rows, _ := pool.Query(ctx, `SELECT id::text || ' ' || state::text || ' ' || metadata::text FROM river_job ORDER BY id`)
+			jobs, _ := pgx.CollectRows(rows, pgx.RowTo[string])
+			t.Fatalf("the replayed job did not show as completed on the open jobs page: badge %q, jobs %v\n%s", eval(`document.getElementById("live").textContent`), jobs,
+				eval(`document.querySelector("#jobs-completed").outerHTML`))
+		}
+	}
+	if eval(`window.notReloaded || "reloaded"`) != "yes" {
+		t.Error("the jobs page was reloaded")
+	}
+	if eval(`String(!!document.querySelector('#jobs-completed tr.replay.changed'))`) != "true" {
+		t.Error("the replayed job's row is not marked as changed")
+	}
 	step("jobs screenshot", shot("jobs"))
 
-	// A dead letter's timeline.
-	step("timeline", chromedp.Navigate(base+"/timeline?source=shop&key=ord_d00"), chromedp.WaitVisible(css(`#timeline`)))
+	// A dead letter's timeline, and a replayed one's.
+	step("timeline", chromedp.Navigate(base+"/timeline?source=shop&key=ord_d01"), chromedp.WaitVisible(css(`#timeline`)))
 	story := eval(`[...document.querySelectorAll("#timeline li .what")].map(e => e.textContent).join(" | ")`)
-	for _, want := range []string{"first seen", "held by the inbox", "job", "failed", "dead-lettered"} {
+	for _, want := range []string{"first seen", "held by the inbox", "job 3 enqueued", "job 3 attempt 1 failed", "dead-lettered", "job 3 cancelled"} {
 		if !strings.Contains(story, want) {
-			t.Errorf("the timeline has no %q: %s", want, story)
+			t.Errorf("the dead letter's timeline has no %q: %s", want, story)
 		}
 	}
 	step("timeline screenshot", shot("timeline"))
+	step("replayed timeline", chromedp.Navigate(base+"/timeline?source=shop&key=ord_d00"), chromedp.WaitVisible(css(`#timeline`)))
+	story = eval(`[...document.querySelectorAll("#timeline li .what")].map(e => e.textContent).join(" | ")`)
+	for _, want := range []string{"first seen", "replayed: job", "replacing the dead letter's job 2", "completed"} {
+		if !strings.Contains(story, want) {
+			t.Errorf("the replayed event's timeline has no %q: %s", want, story)
+		}
+	}
 
 	// 700 px wide: nothing scrolls sideways.
 	step("700 px", chromedp.EmulateViewport(700, 900))
-	for _, page := range []string{"/", "/jobs", "/timeline?source=shop&key=ord_d00", "/dead", "/keys?source=stripe", "/keys?source=stripe&key=evt_0001", "/maintenance"} {
+	for _, page := range []string{"/", "/jobs", "/timeline?source=shop&key=ord_d01", "/dead", "/keys?source=stripe", "/keys?source=stripe&key=evt_0001", "/maintenance"} {
 		step("700 px "+page, chromedp.Navigate(base+page), chromedp.WaitVisible(css("main")))
 		if fits := eval(`String(document.documentElement.scrollWidth <= document.documentElement.clientWidth)`); fits != "true" {
 			t.Errorf("%s at 700 px: scrollWidth %s > clientWidth %s", page, eval(`String(document.documentElement.scrollWidth)`), eval(`String(document.documentElement.clientWidth)`))
