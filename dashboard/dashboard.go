@@ -1,7 +1,11 @@
 // Package dashboard is idem's operator page as an http.Handler: per source
-// claims per minute and duplicate rates (charts drawn as SVG on the
-// server), in-flight and stuck leases, failed keys, the inbox's dead
-// letters with bulk replay, partitions and the last maintenance runs.
+// claims per minute and duplicate rates (a sortable summary, and charts
+// drawn as SVG on the server), in-flight and stuck leases, failed keys,
+// the inbox's jobs by state and dead letters with bulk replay, one event's
+// timeline, partitions and the last maintenance runs. The overview, jobs
+// and timeline refresh themselves while their tab is visible (one small
+// script of its own; plain pages without it). At most Config.MaxPages
+// pages are served at once; the others are answered 503 before any query.
 //
 // Mount it under a prefix of your own server, behind your own
 // authentication (it has none):

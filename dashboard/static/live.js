@@ -35,7 +35,7 @@
   function refresh() {
     if (busy || document.hidden) { return; }
     busy = true;
-    fetch(location.href, { cache: "no-store", credentials: "same-origin", headers: { "X-Idem-Live": "1" } })
+    fetch(location.href, { cache: "no-store", credentials: "same-origin" })
       .then(function (r) {
         if (!r.ok) { throw new Error(r.status === 503 ? "busy" : "HTTP " + r.status); }
         return r.text();
