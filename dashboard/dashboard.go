@@ -1,7 +1,11 @@
 // Package dashboard is idem's operator page as an http.Handler: per source
-// claims per minute and duplicate rates (charts drawn as SVG on the
-// server), in-flight and stuck leases, failed keys, the inbox's dead
-// letters with bulk replay, partitions and the last maintenance runs.
+// claims per minute and duplicate rates (a sortable summary, and charts
+// drawn as SVG on the server), in-flight and stuck leases, failed keys,
+// the inbox's jobs by state and dead letters with bulk replay, one event's
+// timeline, partitions and the last maintenance runs. The overview, jobs
+// and timeline refresh themselves while their tab is visible (one small
+// script of its own; plain pages without it). At most Config.MaxPages
+// pages are served at once; the others are answered 503 before any query.
 //
 // Mount it under a prefix of your own server, behind your own
 // authentication (it has none):
@@ -46,6 +50,8 @@ const (
 	DefaultQueryTimeout   = 5 * time.Second
 	// DefaultReplayLimit is the most dead letters one replay goes through.
 	DefaultReplayLimit = 10000
+	// DefaultMaxPages is how many pages are served at once (Config.MaxPages).
+	DefaultMaxPages = 4
 )
 
 // ErrInvalidConfig is matched by New's errors.
@@ -92,6 +98,13 @@ type Config struct {
 	// normally left empty: the rebound page does not have the operator's
 	// credentials, which the browser keeps for the real name.
 	AllowedHosts []string
+	// MaxPages bounds the pages served at once (0: DefaultMaxPages): a
+	// page asked for while that many are being served is answered 503 with
+	// Retry-After at once, without a query, so that a storm of page loads
+	// never holds more than MaxPages of Pool's connections. Give the
+	// dashboard a pool of its own (or MaxPages below the pool's size) so
+	// that the process's probes and jobs never wait behind pages.
+	MaxPages int
 	// Logger logs every action (who asked is the request's remote address
 	// and, when set by your middleware, its Remote-User header), every
 	// cross-origin action and request for a host not allowed that it
@@ -105,6 +118,7 @@ type Dashboard struct {
 	log   *slog.Logger
 	root  http.Handler
 	hosts map[string]bool // Config.AllowedHosts, normalized; nil: any
+	pages chan struct{}   // a slot per page served at once (Config.MaxPages)
 }
 
 // New validates cfg and returns the dashboard.
@@ -121,6 +135,8 @@ func New(cfg Config) (*Dashboard, error) {
 		return nil, bad("QueryTimeout", "%s is negative", cfg.QueryTimeout)
 	case cfg.ReplayLimit < 0:
 		return nil, bad("ReplayLimit", "%d is negative", cfg.ReplayLimit)
+	case cfg.MaxPages < 0:
+		return nil, bad("MaxPages", "%d is negative", cfg.MaxPages)
 	}
 	if cfg.Prefix != "" && (!strings.HasPrefix(cfg.Prefix, "/") || strings.HasSuffix(cfg.Prefix, "/") || strings.ContainsAny(cfg.Prefix, "?#{}")) {
 		return nil, bad("Prefix", "%q must start with / and not end with one (e.g. \"/idem\")", cfg.Prefix)
@@ -141,13 +157,16 @@ func New(cfg Config) (*Dashboard, error) {
 	}
 	cfg.QueryTimeout = cmp.Or(cfg.QueryTimeout, DefaultQueryTimeout)
 	cfg.ReplayLimit = cmp.Or(cfg.ReplayLimit, DefaultReplayLimit)
-	d := &Dashboard{cfg: cfg, log: cmp.Or(cfg.Logger, slog.Default()), hosts: hosts}
+	cfg.MaxPages = cmp.Or(cfg.MaxPages, DefaultMaxPages)
+	d := &Dashboard{cfg: cfg, log: cmp.Or(cfg.Logger, slog.Default()), hosts: hosts, pages: make(chan struct{}, cfg.MaxPages)}
 
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /{$}", d.overview)
 	mux.HandleFunc("GET /keys", d.keys)
 	mux.HandleFunc("GET /dead", d.deadLetters)
 	mux.HandleFunc("GET /maintenance", d.maintenance)
+	mux.HandleFunc("GET /jobs", d.jobs)
+	mux.HandleFunc("GET /timeline", d.timeline)
 	mux.Handle("GET /static/", http.FileServerFS(staticFS))
 	// Browsers ask for /favicon.ico on pages without a link (a plain-text
 	// error); at the root, answer it rather than log a 404.
@@ -172,8 +191,9 @@ func New(cfg Config) (*Dashboard, error) {
 func (d *Dashboard) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("X-Content-Type-Options", "nosniff")
 	w.Header().Set("Referrer-Policy", "same-origin")
-	// No script, no frame: the pages need neither.
-	w.Header().Set("Content-Security-Policy", "default-src 'self'; script-src 'none'; frame-ancestors 'none'; form-action 'self'")
+	// No script but the dashboard's own (static/live.js: the live
+	// refresh), no frame.
+	w.Header().Set("Content-Security-Policy", "default-src 'self'; script-src 'self'; frame-ancestors 'none'; form-action 'self'")
 	if d.hosts != nil && !d.hostAllowed(r.Host) {
 		d.misdirected(w, r)
 		return
@@ -182,7 +202,26 @@ func (d *Dashboard) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		http.Redirect(w, r, d.cfg.Prefix+"/", http.StatusMovedPermanently)
 		return
 	}
+	if !strings.HasPrefix(r.URL.Path, d.cfg.Prefix+"/static/") {
+		select {
+		case d.pages <- struct{}{}:
+			defer func() { <-d.pages }()
+		default:
+			d.busy(w, r)
+			return
+		}
+	}
 	d.root.ServeHTTP(w, r)
+}
+
+// busy answers a page asked for while Config.MaxPages are being served:
+// shed at once, before any query, so that pages never queue for the
+// database's connections.
+func (d *Dashboard) busy(w http.ResponseWriter, r *http.Request) {
+	d.log.LogAttrs(r.Context(), slog.LevelWarn, "dashboard: busy, page shed",
+		slog.String("path", r.URL.Path), slog.String("remote", r.RemoteAddr), slog.Int("max_pages", d.cfg.MaxPages))
+	w.Header().Set("Retry-After", "1")
+	http.Error(w, "the dashboard is busy: too many pages at once (Config.MaxPages); try again", http.StatusServiceUnavailable)
 }
 
 // crossOrigin answers an action request that came from another origin.

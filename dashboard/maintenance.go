@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/idemkit/idem/db/pgxdb"
+	"github.com/idemkit/idem/internal/maintlock"
 )
 
 // defaultCap is how far the default partition's rows are counted.
@@ -85,6 +86,9 @@ func (d *Dashboard) maintenance(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	for _, run := range runs {
+		// Stored by SafeError; Scrub again what an older idemctl or a
+		// procedure stored word for word.
+		run.Error = maintlock.Scrub(run.Error)
 		v.Runs[run.Job] = append(v.Runs[run.Job], runView{DashRunsRow: run,
 			Took: run.FinishedAt.Time.Sub(run.StartedAt.Time), Summary: summarize(run.Figures)})
 	}

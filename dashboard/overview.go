@@ -12,12 +12,21 @@ import (
 	"github.com/idemkit/idem/db/pgxdb"
 )
 
+// ExactRate is idem.exact_counting_rate() (migration 19): below this many
+// claims a minute, a source's every claim is counted in idem.activity;
+// at or above it, 1 in the policy's duplicate_sampling, as that many.
+const ExactRate = 600
+
 // sourceView is one source's card on the overview.
 type sourceView struct {
 	Source string
-	// Sampling is the policy's duplicate_sampling: 1 in that many claims
-	// is counted, as that many (counts are estimates above 1; 0: none).
+	// Sampling is the policy's duplicate_sampling: above ExactRate claims
+	// a minute, 1 in that many claims is counted, as that many (0: none).
 	Sampling int32
+	// Estimated: some minute of the last 24 hours reached ExactRate with
+	// Sampling above 1, so its counts may be sampled; below it every
+	// claim is counted (migration 19) and the figures are exact.
+	Estimated bool
 	// From idem.activity.
 	ClaimsPerMinute float64 // over the last 15 minutes
 	Rate1h, Rate24h float64 // NaN without claims
@@ -35,9 +44,78 @@ type sourceView struct {
 
 type overviewView struct {
 	Sources    []sourceView
+	Sort       string // the summary's column (summaryColumns), "" for source
+	Desc       bool
+	Columns    []summaryColumn
 	Threshold  float64
 	SnapshotAt time.Time // the oldest snapshot's time; zero: none
 	Inbox      bool
+}
+
+// summaryColumn is a sortable column of the overview's summary table.
+type summaryColumn struct {
+	Name, Title string
+	value       func(*sourceView) float64
+	// Sorted: the table is sorted on it; Desc: descending; Href: the
+	// query that sorts on it (the other way when it is the sort).
+	Sorted, Desc bool
+	Href         string
+}
+
+var summaryColumns = []summaryColumn{
+	{Name: "claims", Title: "claims / min", value: func(s *sourceView) float64 { return s.ClaimsPerMinute }},
+	{Name: "rate1h", Title: "duplicates 1 h", value: func(s *sourceView) float64 { return nanLow(s.Rate1h) }},
+	{Name: "rate24h", Title: "duplicates 24 h", value: func(s *sourceView) float64 { return nanLow(s.Rate24h) }},
+	{Name: "inflight", Title: "in flight", value: func(s *sourceView) float64 { return float64(s.InFlight) }},
+	{Name: "stuck", Title: "stuck", value: func(s *sourceView) float64 { return snap(s, func(x *pgxdb.DashSnapshotsRow) int64 { return x.Stuck }) }},
+	{Name: "failed", Title: "failed", value: func(s *sourceView) float64 { return snap(s, func(x *pgxdb.DashSnapshotsRow) int64 { return x.Failed }) }},
+	{Name: "queued", Title: "queued", value: func(s *sourceView) float64 { return float64(s.Queued) }},
+	{Name: "dead", Title: "dead letters", value: func(s *sourceView) float64 { return float64(s.Dead) }},
+}
+
+func nanLow(f float64) float64 {
+	if math.IsNaN(f) {
+		return -1
+	}
+	return f
+}
+
+func snap(s *sourceView, f func(*pgxdb.DashSnapshotsRow) int64) float64 {
+	if s.Snapshot == nil {
+		return -1
+	}
+	return float64(f(s.Snapshot))
+}
+
+// sortSummary orders the sources by a summary column (unknown: by name),
+// ties by name, and sets each column's link.
+func (v *overviewView) sortSummary(by string, desc bool) {
+	var col *summaryColumn
+	v.Columns = make([]summaryColumn, len(summaryColumns))
+	copy(v.Columns, summaryColumns)
+	for i := range v.Columns {
+		c := &v.Columns[i]
+		if c.Name == by {
+			col, c.Sorted, c.Desc = c, true, desc
+		}
+		dir := "desc" // numbers: the largest first on the first click
+		if c.Sorted && desc {
+			dir = "asc"
+		}
+		c.Href = "?sort=" + c.Name + "&dir=" + dir
+	}
+	if col == nil {
+		v.Sort, v.Desc = "", false
+		return
+	}
+	v.Sort, v.Desc = by, desc
+	sort.SliceStable(v.Sources, func(i, j int) bool {
+		a, b := col.value(&v.Sources[i]), col.value(&v.Sources[j])
+		if a == b {
+			return v.Sources[i].Source < v.Sources[j].Source
+		}
+		return (a < b) != desc
+	})
 }
 
 func (d *Dashboard) overview(w http.ResponseWriter, r *http.Request) {
@@ -70,7 +148,8 @@ func (d *Dashboard) overview(w http.ResponseWriter, r *http.Request) {
 	}
 	v := buildOverview(now, d.cfg.DuplicateAlert, activity, policies, snaps, holds)
 	v.Inbox = d.cfg.Inbox != nil
-	d.render(w, r, http.StatusOK, "overview", "overview", "Overview", now, v)
+	v.sortSummary(r.URL.Query().Get("sort"), r.URL.Query().Get("dir") == "desc")
+	d.renderLive(w, r, http.StatusOK, "overview", "overview", "Overview", now, v)
 }
 
 // buildOverview folds the rows into one card per source: every source that
@@ -95,9 +174,13 @@ func buildOverview(now time.Time, threshold float64, activity []pgxdb.DashActivi
 		card(p.Source).Sampling = p.DuplicateSampling
 	}
 	perSource := map[string][]pgxdb.DashActivityRow{}
+	busy := map[string]bool{} // a minute at or above ExactRate
 	for _, a := range activity {
 		card(a.Source)
 		perSource[a.Source] = append(perSource[a.Source], a)
+		if a.Acquired+a.Duplicates >= ExactRate {
+			busy[a.Source] = true
+		}
 	}
 	v := overviewView{Threshold: threshold}
 	for i := range snaps {
@@ -118,6 +201,7 @@ func buildOverview(now time.Time, threshold float64, activity []pgxdb.DashActivi
 		if c.Sampling < 0 {
 			c.Sampling = defaultSampling
 		}
+		c.Estimated = c.Sampling > 1 && busy[c.Source]
 		hour := buckets(perSource[c.Source], end.Add(-time.Hour), time.Minute, 60)
 		day := buckets(perSource[c.Source], end.Add(-24*time.Hour), 30*time.Minute, 48)
 		var last15 int64

@@ -43,7 +43,7 @@ var funcs = template.FuncMap{
 // pages are parsed once: the layout with each page's content.
 var pages = func() map[string]*template.Template {
 	m := map[string]*template.Template{}
-	for _, name := range []string{"overview", "keys", "dead", "confirm", "replayed", "maintenance", "error"} {
+	for _, name := range []string{"overview", "keys", "dead", "confirm", "replayed", "maintenance", "error", "jobs", "timeline"} {
 		m[name] = template.Must(template.New("layout.html").Funcs(funcs).ParseFS(templateFS, "templates/layout.html", "templates/"+name+".html"))
 	}
 	return m
@@ -56,14 +56,25 @@ type view struct {
 	Section string // the nav entry to mark
 	Now     time.Time
 	Actions bool
-	Data    any
+	// Live: the page refreshes itself (static/live.js) while its tab is
+	// visible; without script it is a plain page.
+	Live bool
+	Data any
 }
 
 // render writes a page; a template error is logged and answered 500 (the
 // page is rendered into a buffer first, so nothing half-written goes out).
 func (d *Dashboard) render(w http.ResponseWriter, r *http.Request, status int, name, section, title string, now time.Time, data any) {
+	d.renderView(w, r, status, name, view{Prefix: d.cfg.Prefix, Title: title, Section: section, Now: now, Actions: d.cfg.Actions, Data: data})
+}
+
+// renderLive renders a page that refreshes itself (view.Live).
+func (d *Dashboard) renderLive(w http.ResponseWriter, r *http.Request, status int, name, section, title string, now time.Time, data any) {
+	d.renderView(w, r, status, name, view{Prefix: d.cfg.Prefix, Title: title, Section: section, Now: now, Actions: d.cfg.Actions, Live: true, Data: data})
+}
+
+func (d *Dashboard) renderView(w http.ResponseWriter, r *http.Request, status int, name string, v view) {
 	var buf bytes.Buffer
-	v := view{Prefix: d.cfg.Prefix, Title: title, Section: section, Now: now, Actions: d.cfg.Actions, Data: data}
 	if err := pages[name].Execute(&buf, v); err != nil {
 		d.log.LogAttrs(r.Context(), slog.LevelError, "dashboard: render", slog.String("page", name), slog.Any("error", err))
 		http.Error(w, "the page could not be rendered (see the server's log)", http.StatusInternalServerError)

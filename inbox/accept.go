@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 
@@ -189,6 +190,10 @@ func (in *Inbox) insertOpts(j Job) *river.InsertOpts {
 		"idem_event_type": j.EventType, "idem_accepted_at": j.AcceptedAt.UTC().Format(time.RFC3339Nano)}
 	if len(j.Trace) > 0 {
 		m["idem_trace"] = j.Trace
+	}
+	if j.replayOf != 0 {
+		// A replay's job: the dashboard marks it (inbox.JobInfo.Replay).
+		m["idem_replay_of"] = strconv.FormatInt(j.replayOf, 10)
 	}
 	meta, _ := json.Marshal(m)
 	n := j.MaxAttempts

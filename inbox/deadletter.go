@@ -286,6 +286,7 @@ func (in *Inbox) Replay(ctx context.Context, f Filter) ([]ReplayResult, error) {
 			}
 			switch idem.Outcome(cl.Outcome) {
 			case idem.Acquired:
+				j.replayOf = d.JobID
 				r.NewJobID, err = in.enqueue(ctx, tx, &idem.Claim{Token: cl.Token, FirstSeen: cl.FirstSeen.Time, ExpiresAt: cl.ExpiresAt.Time}, j)
 				r.Outcome = "replayed"
 				return err

@@ -48,6 +48,9 @@ type Job struct {
 	// kept in the job's River metadata (idem_trace), not its arguments:
 	// a retry, a restart and a replay hand it to the worker's tracer.
 	Trace map[string]string `json:"-"`
+	// replayOf is the job a replay's new job replaces (not part of the
+	// args: it goes to the metadata, as idem_replay_of).
+	replayOf int64
 }
 
 // Kind implements river.JobArgs.

@@ -202,6 +202,105 @@ func (q *Queries) DashKey(ctx context.Context, arg DashKeyParams) ([]DashKeyRow,
 	return items, nil
 }
 
+const dashKeyEffects = `-- name: DashKeyEffects :many
+SELECT e.key, e.status, e.attempts, e.first_seen, e.completed_at, coalesce(e.last_error, '')::text AS last_error
+  FROM idem.processed_events e
+ WHERE e.source = $1::text || '/effects'
+   AND pg_catalog.right(e.key, pg_catalog.length($2::text) + 1) = '/' || $2::text
+ ORDER BY e.first_seen
+ LIMIT 50
+`
+
+type DashKeyEffectsParams struct {
+	Source string
+	Key    string
+}
+
+type DashKeyEffectsRow struct {
+	Key         string
+	Status      string
+	Attempts    int32
+	FirstSeen   pgtype.Timestamptz
+	CompletedAt pgtype.Timestamptz
+	LastError   string
+}
+
+// The effects recorded for one event (Client.Effect): keys of source
+// "<source>/effects" named "<name>/<key>", read on the primary key's
+// source prefix (a hashed effect key, of a long event key, is not found).
+func (q *Queries) DashKeyEffects(ctx context.Context, arg DashKeyEffectsParams) ([]DashKeyEffectsRow, error) {
+	rows, err := q.db.Query(ctx, dashKeyEffects, arg.Source, arg.Key)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []DashKeyEffectsRow
+	for rows.Next() {
+		var i DashKeyEffectsRow
+		if err := rows.Scan(
+			&i.Key,
+			&i.Status,
+			&i.Attempts,
+			&i.FirstSeen,
+			&i.CompletedAt,
+			&i.LastError,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const dashKeyHold = `-- name: DashKeyHold :many
+SELECT h.state, h.held_at, h.dead_at, coalesce(h.error, '')::text AS error, coalesce(h.job_id, 0)::bigint AS job_id
+  FROM idem.holds h
+ WHERE h.source = $1::text AND h.key = $2::text
+`
+
+type DashKeyHoldParams struct {
+	Source string
+	Key    string
+}
+
+type DashKeyHoldRow struct {
+	State  string
+	HeldAt pgtype.Timestamptz
+	DeadAt pgtype.Timestamptz
+	Error  string
+	JobID  int64
+}
+
+// The inbox's hold of one key (its primary key): queued or dead, since when.
+func (q *Queries) DashKeyHold(ctx context.Context, arg DashKeyHoldParams) ([]DashKeyHoldRow, error) {
+	rows, err := q.db.Query(ctx, dashKeyHold, arg.Source, arg.Key)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []DashKeyHoldRow
+	for rows.Next() {
+		var i DashKeyHoldRow
+		if err := rows.Scan(
+			&i.State,
+			&i.HeldAt,
+			&i.DeadAt,
+			&i.Error,
+			&i.JobID,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const dashKeys = `-- name: DashKeys :many
 SELECT e.source, e.key, e.first_seen_month, coalesce(e.event_type, '')::text AS event_type, e.status, e.attempts,
        e.lease_expires_at, coalesce(e.fingerprint, '')::text AS fingerprint,

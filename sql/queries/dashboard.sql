@@ -106,3 +106,20 @@ SELECT r.id, r.job, r.started_at, r.finished_at, r.outcome, r.figures::text AS f
 SELECT l.name, l.holder, l.acquired_at, l.expires_at
   FROM idem.maintenance_locks l
  ORDER BY l.name;
+
+-- name: DashKeyHold :many
+-- The inbox's hold of one key (its primary key): queued or dead, since when.
+SELECT h.state, h.held_at, h.dead_at, coalesce(h.error, '')::text AS error, coalesce(h.job_id, 0)::bigint AS job_id
+  FROM idem.holds h
+ WHERE h.source = sqlc.arg(source)::text AND h.key = sqlc.arg(key)::text;
+
+-- name: DashKeyEffects :many
+-- The effects recorded for one event (Client.Effect): keys of source
+-- "<source>/effects" named "<name>/<key>", read on the primary key's
+-- source prefix (a hashed effect key, of a long event key, is not found).
+SELECT e.key, e.status, e.attempts, e.first_seen, e.completed_at, coalesce(e.last_error, '')::text AS last_error
+  FROM idem.processed_events e
+ WHERE e.source = sqlc.arg(source)::text || '/effects'
+   AND pg_catalog.right(e.key, pg_catalog.length(sqlc.arg(key)::text) + 1) = '/' || sqlc.arg(key)::text
+ ORDER BY e.first_seen
+ LIMIT 50;

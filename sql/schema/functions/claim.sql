@@ -31,6 +31,7 @@ DECLARE
     v_adopt    bigint;
     v_adopt_seen boolean := false;
     v_token    bigint;
+    v_weight   integer;
 BEGIN
     IF v_iso = 'repeatable read' THEN
         RAISE EXCEPTION USING ERRCODE = '0A000',
@@ -131,8 +132,11 @@ BEGIN
         IF v_found THEN
             outcome := idem.settled_outcome(r.status, r.retryable, r.lease_expires_at, r.fingerprint, claim.fingerprint, v_now);
             IF outcome IS NOT NULL THEN
-                IF v_sample > 0 AND v_iso <> 'serializable' AND (v_sample = 1 OR random() * v_sample < 1) THEN
-                    PERFORM idem.count_duplicate(claim.source, claim.key, r.first_seen_month, v_sample, v_per_key, v_now);
+                IF v_sample > 0 AND v_iso <> 'serializable' THEN
+                    v_weight := idem.claim_weight(claim.source, v_sample, v_now);
+                    IF v_weight > 0 THEN
+                        PERFORM idem.count_duplicate(claim.source, claim.key, r.first_seen_month, v_weight, v_per_key, v_now);
+                    END IF;
                 END IF;
                 EXIT answer;
             END IF;
@@ -240,9 +244,13 @@ BEGIN
             END IF;
             outcome := idem.settled_outcome(r.status, r.retryable, r.lease_expires_at, r.fingerprint, claim.fingerprint, v_now);
             IF outcome IS NOT NULL THEN
-                -- A duplicate: read, not written. Count one in v_sample.
-                IF v_sample > 0 AND v_iso <> 'serializable' AND (v_sample = 1 OR random() * v_sample < 1) THEN
-                    PERFORM idem.count_duplicate(claim.source, claim.key, r.first_seen_month, v_sample, v_per_key, v_now);
+                -- A duplicate: read, not written. Counted with
+                -- idem.claim_weight's weight.
+                IF v_sample > 0 AND v_iso <> 'serializable' THEN
+                    v_weight := idem.claim_weight(claim.source, v_sample, v_now);
+                    IF v_weight > 0 THEN
+                        PERFORM idem.count_duplicate(claim.source, claim.key, r.first_seen_month, v_weight, v_per_key, v_now);
+                    END IF;
                 END IF;
                 EXIT;
             END IF;
@@ -294,10 +302,15 @@ BEGIN
         END LOOP;
     END IF;
 
-    -- (version 10) One acquisition in v_sample is counted, as v_sample, in
-    -- its minute of idem.activity: the dashboard's claims per minute.
-    IF outcome = 'acquired' AND v_sample > 0 AND v_iso <> 'serializable' AND (v_sample = 1 OR random() * v_sample < 1) THEN
-        PERFORM idem.count_activity(claim.source, v_now, v_sample, 0);
+    -- (version 19) An acquisition is counted in its minute of
+    -- idem.activity (the dashboard's claims per minute) with the weight of
+    -- idem.claim_weight: every one below idem.exact_counting_rate(), 1 in
+    -- v_sample (as v_sample) above it.
+    IF outcome = 'acquired' AND v_sample > 0 AND v_iso <> 'serializable' THEN
+        v_weight := idem.claim_weight(claim.source, v_sample, v_now);
+        IF v_weight > 0 THEN
+            PERFORM idem.count_activity(claim.source, v_now, v_weight, 0);
+        END IF;
     END IF;
     IF v_found THEN
         token            := CASE WHEN outcome = 'acquired' THEN r.token END;

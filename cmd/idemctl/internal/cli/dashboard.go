@@ -20,29 +20,46 @@ import (
 	"github.com/idemkit/idem/internal/maintlock"
 )
 
-// newDashboard is idemctl run --http's dashboard. The dead letters page
-// and its replay need the inbox's River tables; without them the page
-// says the inbox is not in use.
-func newDashboard(ctx context.Context, pool *pgxpool.Pool, log *slog.Logger, riverSchema, queue string, actions, results bool, hosts []string) (http.Handler, error) {
+// dashboardConns is the size of idemctl run --http's dashboard's own pool,
+// and the pages it serves at once (dashboard.Config.MaxPages): the
+// daemon's pool stays for /healthz, /metrics and the scheduled jobs, which
+// never wait behind pages; a page past these is answered 503.
+const dashboardConns = 4
+
+// newDashboard is idemctl run --http's dashboard, on a pool of its own
+// (dashboardConns connections, with the daemon pool's settings) closed
+// when ctx is done. The dead letters page and its replay need the inbox's
+// River tables; without them the page says the inbox is not in use.
+func newDashboard(ctx context.Context, daemonPool *pgxpool.Pool, log *slog.Logger, riverSchema, queue string, actions, results bool, hosts []string) (http.Handler, error) {
+	pcfg := daemonPool.Config().Copy()
+	pcfg.MaxConns, pcfg.MinConns = dashboardConns, 0
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		return nil, err
+	}
+	context.AfterFunc(ctx, pool.Close)
 	table := "river_job"
 	if riverSchema != "" {
 		table = pgx.Identifier{riverSchema, "river_job"}.Sanitize()
 	}
 	var hasRiver bool
 	if err := pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&hasRiver); err != nil {
+		pool.Close()
 		return nil, err
 	}
-	cfg := dashboard.Config{Pool: pool, Actions: actions, ShowResults: results, AllowedHosts: hosts,
+	cfg := dashboard.Config{Pool: pool, Actions: actions, ShowResults: results, AllowedHosts: hosts, MaxPages: dashboardConns,
 		Logger: log.With(slog.String("component", "dashboard"))}
 	if hasRiver {
 		in, err := inbox.New(inbox.Config{Pool: pool, Schema: riverSchema, Queue: queue, Logger: log})
 		if err != nil {
+			pool.Close()
 			return nil, usageErr("%v", err)
 		}
 		cfg.Inbox = in
 	}
 	d, err := dashboard.New(cfg)
 	if err != nil {
+		pool.Close()
 		return nil, usageErr("%v", err)
 	}
 	return d, nil

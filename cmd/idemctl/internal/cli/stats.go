@@ -1,12 +1,17 @@
 package cli
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"github.com/spf13/cobra"
 	"text/tabwriter"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem/dashboard"
 	"github.com/idemkit/idem/db/pgxdb"
 	"github.com/idemkit/idem/inbox"
 )
@@ -22,10 +27,15 @@ type sourceStats struct {
 	Released   int64  `json:"released_for_retry"`
 	Failed     int64  `json:"failed_permanently"`
 	Duplicates int64  `json:"duplicates"`
-	// DuplicateSampling is the source's policy: 1 in that many duplicates
-	// is counted, as that many, so Duplicates and DuplicateRate are
-	// estimates when it is above 1, and not counted at 0.
-	DuplicateSampling int32      `json:"duplicate_sampling"`
+	// DuplicateSampling is the source's policy: above 600 claims a minute
+	// (idem.exact_counting_rate(), migration 19), 1 in that many
+	// duplicates is counted, as that many; below it every one is; at 0
+	// none is.
+	DuplicateSampling int32 `json:"duplicate_sampling"`
+	// DuplicatesSampled: a minute of the last 8 days (idem.activity)
+	// reached that rate with DuplicateSampling above 1, so Duplicates and
+	// DuplicateRate may be estimates; false: every duplicate was counted.
+	DuplicatesSampled bool       `json:"duplicates_sampled"`
 	DuplicateRate     float64    `json:"duplicate_rate"`
 	Retried           int64      `json:"retried"`
 	Stuck             int64      `json:"stuck_past_lease"`
@@ -67,10 +77,15 @@ func newStatsCmd(a *app) *cobra.Command {
 		if err != nil {
 			return err
 		}
+		sampled, err := sampledSources(ctx, pool)
+		if err != nil {
+			return err
+		}
 		var out statsOut
 		for _, r := range rows {
 			s := sourceStats{Source: r.Source, Keys: r.Keys, Processing: r.Processing, Completed: r.Completed,
 				Unstored: r.Unstored, Released: r.Released, Failed: r.Failed, Duplicates: r.Duplicates, DuplicateSampling: r.DuplicateSampling, Retried: r.Retried, Stuck: r.Stuck, Expired: r.Expired}
+			s.DuplicatesSampled = r.DuplicateSampling > 1 && sampled[r.Source]
 			// Each key is one new delivery; every other delivery was a duplicate.
 			if total := r.Keys + r.Duplicates; total > 0 {
 				s.DuplicateRate = float64(r.Duplicates) / float64(total)
@@ -133,6 +148,23 @@ func newStatsCmd(a *app) *cobra.Command {
 	return cmd
 }
 
+// sampledSources are the sources with a minute of idem.activity (the
+// last 8 days) at or above the rate where claims are sampled
+// (dashboard.ExactRate, idem.exact_counting_rate()).
+func sampledSources(ctx context.Context, pool *pgxpool.Pool) (map[string]bool, error) {
+	rows, err := pool.Query(ctx, `SELECT DISTINCT a.source FROM idem.activity a
+		GROUP BY a.source, a.minute HAVING sum(a.acquired + a.duplicates) >= $1`, dashboard.ExactRate)
+	if err != nil {
+		return nil, err
+	}
+	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	out := map[string]bool{}
+	for _, n := range names {
+		out[n] = true
+	}
+	return out, err
+}
+
 // duplicates prints the duplicate count and rate as what they are: exact
 // when every duplicate is counted, "~" estimates with the sample rate
 // when 1 in N is, "-" when none is.
@@ -140,7 +172,7 @@ func (s sourceStats) duplicates() (count, rate string) {
 	switch {
 	case s.DuplicateSampling <= 0:
 		return "- (not counted)", "-"
-	case s.DuplicateSampling == 1:
+	case s.DuplicateSampling == 1 || !s.DuplicatesSampled:
 		return human(s.Duplicates), fmt.Sprintf("%.1f%%", 100*s.DuplicateRate)
 	}
 	return fmt.Sprintf("~%s (1 in %d counted)", human(s.Duplicates), s.DuplicateSampling), fmt.Sprintf("~%.1f%%", 100*s.DuplicateRate)
