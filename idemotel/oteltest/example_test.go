@@ -55,7 +55,9 @@ func Example() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	mw, err := idemhttp.New(idemhttp.Config{Client: client, Source: "orders"})
+	mw, err := idemhttp.New(idemhttp.Config{Client: client, Source: "orders",
+		// The principal your authentication decided; Unscoped: keys shared by all callers.
+		Scope: idemhttp.Unscoped})
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -165,7 +165,7 @@ func acceptingStack(t *testing.T) (*stack, *inbox.Inbox, string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	h, err := in.HTTP(idemhttp.Config{Client: s.client, Source: "shop"}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {}))
+	h, err := in.HTTP(idemhttp.Config{Client: s.client, Source: "shop", Scope: idemhttp.Unscoped}, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {}))
 	if err != nil {
 		t.Fatal(err)
 	}
