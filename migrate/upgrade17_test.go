@@ -33,7 +33,7 @@ func TestUpgradeTo17(t *testing.T) {
 		}
 	}
 
-	if _, err := p.Up(ctx); err != nil {
+	if _, err := p.UpTo(ctx, 17); err != nil {
 		t.Fatal(err)
 	}
 	seededAnswered(t, db, "after the upgrade to 17")
@@ -67,7 +67,7 @@ func TestUpgradeTo17(t *testing.T) {
 		t.Fatalf("EXECUTE: PUBLIC %v (want false), app role %v (want true)", public, app)
 	}
 
-	if _, err := p.Down(ctx); err != nil {
+	if _, err := p.DownTo(ctx, 16); err != nil {
 		t.Fatal(err)
 	}
 	holds("down to 16")

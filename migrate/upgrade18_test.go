@@ -5,16 +5,16 @@ import (
 	"testing"
 )
 
-// TestUpgradeTo18: from version 16 holding data, the upgrade to 18 (the
+// TestUpgradeTo18: from version 17 holding data, the upgrade to 18 (the
 // batch functions) keeps every answer, and a batch answers the stored keys
 // as idem.claim does (completed, in progress) and acquires a new one; down
-// to 16 drops the batch functions and their rights rows (the single path
+// to 17 drops the batch functions and their rights rows (the single path
 // answers as before), and up again.
 func TestUpgradeTo18(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	_, db, p := setupAt(t)
-	if _, err := p.UpTo(ctx, 16); err != nil {
+	if _, err := p.UpTo(ctx, 17); err != nil {
 		t.Fatal(err)
 	}
 	seedCompleted(t, db)
@@ -28,10 +28,10 @@ func TestUpgradeTo18(t *testing.T) {
 		return got, err
 	}
 	if _, err := batch(); !isCode(err, "42883") {
-		t.Fatalf("version 16: %v, want 42883 (no idem.claim_batch)", err)
+		t.Fatalf("version 17: %v, want 42883 (no idem.claim_batch)", err)
 	}
 
-	if _, err := p.Up(ctx); err != nil {
+	if _, err := p.UpTo(ctx, 18); err != nil {
 		t.Fatal(err)
 	}
 	seededAnswered(t, db, "after the upgrade to 18")
@@ -43,16 +43,16 @@ func TestUpgradeTo18(t *testing.T) {
 		t.Fatalf("version 18: %d rights rows for the batch functions (%v), want 3", rights, err)
 	}
 
-	if _, err := p.DownTo(ctx, 16); err != nil {
+	if _, err := p.DownTo(ctx, 17); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := batch(); !isCode(err, "42883") {
-		t.Fatalf("down to 16: %v, want 42883", err)
+		t.Fatalf("down to 17: %v, want 42883", err)
 	}
 	if err := db.QueryRowContext(ctx, `SELECT count(*) FROM idem.rights WHERE object IN ('idem.claim_batch(text, text[], text[], interval, interval, text[], interval)', 'idem.complete_batch(text, text[], bigint[], jsonb[])', 'idem.fail_batch(text, text[], bigint[], text[], boolean[])')`).Scan(&rights); err != nil || rights != 0 {
-		t.Fatalf("down to 16: %d rights rows left (%v)", rights, err)
+		t.Fatalf("down to 17: %d rights rows left (%v)", rights, err)
 	}
-	seededAnswered(t, db, "down to 16")
+	seededAnswered(t, db, "down to 17")
 	if _, err := p.Up(ctx); err != nil {
 		t.Fatal(err)
 	}

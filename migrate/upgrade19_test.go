@@ -9,25 +9,25 @@ import (
 	"testing"
 )
 
-// TestUpgradeTo19: from version 16 holding data, the upgrade to 19 keeps
+// TestUpgradeTo19: from version 18 holding data, the upgrade to 19 keeps
 // every answer; a source under the default sampling (1 in 8) with two keys
 // and 18 duplicates is counted exactly (2 acquired, 18 duplicates in
 // idem.activity and idem.duplicate_counts), and the keys list's order
-// (expires_at, source, key) is read from an index with no Sort. Down to 16
+// (expires_at, source, key) is read from an index with no Sort. Down to 18
 // restores the index on expires_at alone and the sampled counter, and up
 // again.
 func TestUpgradeTo19(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	_, db, p := setupAt(t)
-	if _, err := p.UpTo(ctx, 16); err != nil {
+	if _, err := p.UpTo(ctx, 18); err != nil {
 		t.Fatal(err)
 	}
 	seedCompleted(t, db)
 	if _, err := db.ExecContext(ctx, `SELECT idem.claim('up', 'running', lease => '1 hour')`); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := p.Up(ctx); err != nil {
+	if _, err := p.UpTo(ctx, 19); err != nil {
 		t.Fatal(err)
 	}
 	seededAnswered(t, db, "after the upgrade to 19")
@@ -36,16 +36,16 @@ func TestUpgradeTo19(t *testing.T) {
 		t.Errorf("version 19: the keys list is not read in order from the index:\n%s", plan)
 	}
 
-	if _, err := p.DownTo(ctx, 16); err != nil {
+	if _, err := p.DownTo(ctx, 18); err != nil {
 		t.Fatal(err)
 	}
-	seededAnswered(t, db, "down to 16")
+	seededAnswered(t, db, "down to 18")
 	var n int
 	if err := db.QueryRowContext(ctx, `SELECT count(*) FROM pg_catalog.pg_proc WHERE proname IN ('claim_weight', 'exact_counting_rate')`).Scan(&n); err != nil || n != 0 {
-		t.Fatalf("down to 16: %d of version 19's functions left (%v)", n, err)
+		t.Fatalf("down to 18: %d of version 19's functions left (%v)", n, err)
 	}
 	if plan := keysPlan(t, db); !sortNode.MatchString(plan) {
-		t.Errorf("down to 16: the keys list's plan has no Sort over the expires_at index:\n%s", plan)
+		t.Errorf("down to 18: the keys list's plan has no Sort over the expires_at index:\n%s", plan)
 	}
 	if _, err := p.Up(ctx); err != nil {
 		t.Fatal(err)

@@ -6,17 +6,17 @@ import (
 	"testing"
 )
 
-// TestUpgradeTo20: from version 16 holding data, the upgrade to 20
+// TestUpgradeTo20: from version 19 holding data, the upgrade to 20
 // (idem.fail version 20) keeps every answer; a failure recorded with
 // retryable => NULL (a momentary one: 429, 503) releases the key and takes
 // back the attempt its claim counted, so max_attempts such failures do
-// not fail the key for good; version 16 took NULL as a counted retryable
-// failure, and so does the schema down to 16 again.
+// not fail the key for good; version 19 took NULL as a counted retryable
+// failure, and so does the schema down to 19 again.
 func TestUpgradeTo20(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	_, db, p := setupAt(t)
-	if _, err := p.UpTo(ctx, 16); err != nil {
+	if _, err := p.UpTo(ctx, 19); err != nil {
 		t.Fatal(err)
 	}
 	seedCompleted(t, db)
@@ -49,10 +49,10 @@ func TestUpgradeTo20(t *testing.T) {
 		return outcome, attempts
 	}
 	if outcome, _ := momentary("v16"); outcome != "failed" {
-		t.Fatalf("version 16: three momentary failures under max_attempts 2 gave %q, want failed (counted)", outcome)
+		t.Fatalf("version 19: three momentary failures under max_attempts 2 gave %q, want failed (counted)", outcome)
 	}
 
-	if _, err := p.Up(ctx); err != nil {
+	if _, err := p.UpTo(ctx, 20); err != nil {
 		t.Fatal(err)
 	}
 	seededAnswered(t, db, "after the upgrade to 20")
@@ -73,12 +73,12 @@ func TestUpgradeTo20(t *testing.T) {
 		t.Fatalf("a counted failure: attempts %d, %v, want 1", attempts, err)
 	}
 
-	if _, err := p.DownTo(ctx, 16); err != nil {
+	if _, err := p.DownTo(ctx, 19); err != nil {
 		t.Fatal(err)
 	}
-	seededAnswered(t, db, "down to 16")
+	seededAnswered(t, db, "down to 19")
 	if outcome, _ := momentary("down"); outcome != "failed" {
-		t.Fatalf("down to 16: %q, want failed (counted)", outcome)
+		t.Fatalf("down to 19: %q, want failed (counted)", outcome)
 	}
 	if _, err := p.Up(ctx); err != nil {
 		t.Fatal(err)
