@@ -176,23 +176,22 @@ func TestClaimBatchRefusals(t *testing.T) {
 
 // TestClaimBatchStorm: batches of overlapping keys, each a random subset in
 // random order with some keys twice, race from many connections, in
-// autocommit and inside transactions (READ COMMITTED), half of them with
-// their clock a millisecond either side of a month boundary; then the same
-// with SERIALIZABLE transactions among them, all on one side (retried on a
+// autocommit and inside transactions, half of them with their clock a
+// millisecond either side of a month boundary; once with READ COMMITTED
+// transactions, once with SERIALIZABLE ones among them (retried on a
 // serialization failure). Every key is acquired exactly once, and no batch
-// meets a deadlock or a lock-table error.
-//
-// (SERIALIZABLE across the boundary is left out: a serializable claim
-// whose snapshot predates another claim's commit in the other month's
-// partition does not see that row, single-key idem.claim as well as the
-// batch; docs/reliability.md.)
+// meets a deadlock or a lock-table error. (A SERIALIZABLE claim whose
+// snapshot predates another claim's commit in the other month's partition
+// would not see that row: the batch meets it through a placeholder insert
+// in each other month of its window, a serialization failure. Without that
+// guard the serializable run acquires some keys twice.)
 func TestClaimBatchStorm(t *testing.T) {
 	t.Parallel()
-	t.Run("month boundary", func(t *testing.T) { batchStorm(t, pgx.ReadCommitted, true) })
-	t.Run("serializable", func(t *testing.T) { batchStorm(t, pgx.Serializable, false) })
+	t.Run("read committed", func(t *testing.T) { batchStorm(t, pgx.ReadCommitted) })
+	t.Run("serializable", func(t *testing.T) { batchStorm(t, pgx.Serializable) })
 }
 
-func batchStorm(t *testing.T, iso pgx.TxIsoLevel, straddle bool) {
+func batchStorm(t *testing.T, iso pgx.TxIsoLevel) {
 	ctx := context.Background()
 	url := testdb.New(t)
 	boundary := testdb.MonthStart(time.Now(), 0)
@@ -209,9 +208,6 @@ func batchStorm(t *testing.T, iso pgx.TxIsoLevel, straddle bool) {
 	pools := []*pgxpool.Pool{
 		testdb.PoolAt(t, url, workers/2, boundary.Add(-time.Millisecond)),
 		testdb.PoolAt(t, url, workers/2, boundary.Add(time.Millisecond)),
-	}
-	if !straddle {
-		pools[0] = pools[1]
 	}
 	var acquired tally
 	var wg sync.WaitGroup
