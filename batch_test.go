@@ -2,12 +2,14 @@ package idem_test
 
 import (
 	"context"
+	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"math/rand/v2"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -583,5 +585,80 @@ func TestClaimBatchBusyKey(t *testing.T) {
 	cls = <-done
 	if cls[0].Outcome != idem.Acquired || cls[1].Outcome != idem.Completed || string(cls[1].Result) != `"done"` || cls[2].Outcome != idem.Acquired {
 		t.Fatalf("waited: %+v %+v %+v", cls[0], cls[1], cls[2])
+	}
+}
+
+// TestDoBatchThroughPgBouncer: DoBatch through a real PgBouncer in
+// transaction mode, over pgx's default pool configuration (the statement
+// cache) and database/sql over pgx's stdlib driver with its defaults:
+// concurrent batches of overlapping keys from 8 goroutines, each key's
+// work runs once and is completed; the first prepared statement the pooler
+// refuses is sent again in exec mode.
+func TestDoBatchThroughPgBouncer(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, _ := setup(t)
+	var dbname string
+	if err := pool.QueryRow(ctx, `SELECT current_database()`).Scan(&dbname); err != nil {
+		t.Fatal(err)
+	}
+	url := testdb.PgBouncer(t, dbname)
+	bpool := testdb.Pool(t, url, 8)
+	db, err := sql.Open("pgx", url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	db.SetMaxOpenConns(8)
+	clients := []*idem.Client{testdb.Client(t, bpool, nil), testdb.SQLClient(t, db, nil)}
+	var runs sync.Map
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for w := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			c := clients[w%2]
+			for b := range 10 {
+				items := make([]idem.BatchItem, 20)
+				for i := range items {
+					items[i].Key = fmt.Sprintf("k%03d", (w*7+b*13+i*3)%120)
+				}
+				res, err := c.DoBatch(ctx, "bouncer", items, func(_ context.Context, a []*idem.Claim) ([]idem.WorkResult, error) {
+					out := make([]idem.WorkResult, len(a))
+					for j, cl := range a {
+						n, _ := runs.LoadOrStore(cl.Key, new(atomic.Int64))
+						n.(*atomic.Int64).Add(1)
+						out[j].Value = cl.Key
+					}
+					return out, nil
+				})
+				if err != nil {
+					errs <- err
+					return
+				}
+				for _, r := range res {
+					if r.Err != nil && !errors.Is(r.Err, idem.ErrInProgress) {
+						errs <- r.Err
+						return
+					}
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	runs.Range(func(k, v any) bool {
+		if n := v.(*atomic.Int64).Load(); n != 1 {
+			t.Errorf("key %v: the work ran %d times", k, n)
+		}
+		return true
+	})
+	var processing int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem.processed_events WHERE source = 'bouncer' AND status <> 'completed'`).Scan(&processing); err != nil || processing != 0 {
+		t.Fatalf("%d keys not completed (%v)", processing, err)
 	}
 }
