@@ -662,3 +662,36 @@ func TestDoBatchThroughPgBouncer(t *testing.T) {
 		t.Fatalf("%d keys not completed (%v)", processing, err)
 	}
 }
+
+// TestDoBatchHeartbeat: while a batch's work runs past its keys' lease, one
+// goroutine extends every acquired key (the work returns once both keys'
+// leases have moved past the first expiry, read from the table), so no
+// duplicate takes them over and both complete.
+func TestDoBatchHeartbeat(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, c := setup(t)
+	var first time.Time
+	res, err := c.DoBatch(ctx, "hb", batchItems("h1", "h2"), func(ctx context.Context, a []*idem.Claim) ([]idem.WorkResult, error) {
+		first = a[0].LeaseExpiresAt
+		for deadline := time.Now().Add(time.Minute); ; time.Sleep(50 * time.Millisecond) {
+			var extended int
+			if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem.processed_events WHERE source = 'hb' AND lease_expires_at > $1`, first).Scan(&extended); err != nil {
+				return nil, err
+			}
+			if extended == 2 {
+				break
+			}
+			if time.Now().After(deadline) {
+				return nil, errors.New("the leases were never extended")
+			}
+		}
+		if cl, err := c.Claim(ctx, "hb", "h2"); err != nil || cl.Outcome != idem.InProgress {
+			return nil, fmt.Errorf("a duplicate during the work: %+v %v", cl, err)
+		}
+		return []idem.WorkResult{{Value: 1}, {Value: 2}}, nil
+	}, idem.WithLease(time.Second))
+	if err != nil || res[0].Err != nil || res[1].Err != nil {
+		t.Fatalf("%+v %v", res, err)
+	}
+}
