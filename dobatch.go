@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"log/slog"
 	"runtime/debug"
-	"sync"
 	"time"
 )
 
@@ -256,24 +255,66 @@ func (c *Client) completeEach(ctx context.Context, source string, items []Comple
 }
 
 // batchHeartbeat keeps the leases of a batch's acquired keys while its work
-// runs (on a pool; see heartbeat): a key whose lease is lost is marked in
-// lost, and the work goes on for the others.
+// runs (on a pool), as heartbeat keeps one: one goroutine extends each key
+// in turn every lease*HeartbeatFraction (the shortest lease granted), timed
+// by this process's monotonic clock from sent, so a batch of 1,000 keys
+// holds at most one of the pool's connections for it. A key whose lease is
+// lost is marked in lost (read after the returned function has stopped
+// it), and the work goes on for the others.
 func (c *Client) batchHeartbeat(ctx context.Context, acquired []*Claim, lost []bool, sent time.Time) func() {
-	if !c.d.concurrent() || c.cfg.HeartbeatFraction < 0 {
-		return func() {}
-	}
-	var mu sync.Mutex
-	stops := make([]func(), len(acquired))
-	for j, cl := range acquired {
-		stops[j] = c.heartbeat(ctx, func(error) {
-			mu.Lock()
-			lost[j] = true
-			mu.Unlock()
-		}, cl, sent)
-	}
-	return func() {
-		for _, stop := range stops {
-			stop()
+	var lease time.Duration
+	for _, cl := range acquired {
+		if cl.LeaseRemaining > 0 && (lease == 0 || cl.LeaseRemaining < lease) {
+			lease = cl.LeaseRemaining
 		}
 	}
+	if !c.d.concurrent() || c.cfg.HeartbeatFraction < 0 || lease <= 0 {
+		return func() {}
+	}
+	every := max(time.Duration(float64(lease)*c.cfg.HeartbeatFraction), 50*time.Millisecond)
+	bctx := context.WithoutCancel(ctx)
+	done := make(chan struct{})
+	stopped := make(chan struct{})
+	go func() {
+		defer close(stopped)
+		next := sent.Add(every)
+		t := time.NewTimer(time.Until(next))
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-t.C:
+			}
+			start := time.Now()
+			next = start.Add(every)
+			for j, cl := range acquired {
+				select {
+				case <-done:
+					return
+				default:
+				}
+				if lost[j] {
+					continue
+				}
+				ectx, ecancel := context.WithTimeout(bctx, every)
+				_, err := c.Extend(ectx, cl.Source, cl.Key, cl.Token, cl.LeaseRemaining)
+				ecancel()
+				switch {
+				case err == nil:
+				case errors.Is(err, ErrStaleToken), errors.Is(err, ErrNotFound):
+					lost[j] = true
+					c.cfg.Logger.LogAttrs(bctx, slog.LevelWarn, "idem: lease lost while the batch's work runs",
+						slog.String("source", cl.Source), slog.String("key", cl.Key))
+				default:
+					// Try again soon, as heartbeat does.
+					next = time.Now().Add(max(every/4, 50*time.Millisecond))
+					c.cfg.Logger.LogAttrs(bctx, slog.LevelWarn, "idem: lease heartbeat failed; will retry",
+						slog.String("source", cl.Source), slog.String("key", cl.Key), slog.Any("error", err))
+				}
+			}
+			t.Reset(time.Until(next))
+		}
+	}()
+	return func() { close(done); <-stopped }
 }

@@ -10,6 +10,10 @@
 --   repeated in the batch is answered, after the first, as a duplicate of
 --   it. Over 1000 keys: SQLSTATE ID009, before any lock is taken (a batch
 --   holds one lock per distinct key until its transaction ends).
+--   In SERIALIZABLE a batch also meets a claim of one of its keys that
+--   committed into another month's partition after its snapshot (a
+--   placeholder insert in each other month of its window: 40001), which
+--   idem.claim (version 13) does not.
 --   REPEATABLE READ is refused as by idem.claim; on a distributed (Citus)
 --   installation the batch is refused (SQLSTATE ID006): its keys live on
 --   several nodes, and a per-key lock excludes only the claims of the node
@@ -83,6 +87,9 @@ DECLARE
     v_locked   integer[] := '{}';  -- the positions whose key this call has locked
     v_from     integer;            -- the next position of v_ords to lock
     v_busy     integer;            -- a position of v_ords whose lock is busy
+    v_gkeys    text[];             -- SERIALIZABLE: placeholders to delete
+    v_sleep    double precision;
+    v_gmonths  date[];
     v_slow     integer[];          -- the positions idem.claim answers
     v_i        integer;
     v_acq      integer;
@@ -179,6 +186,27 @@ BEGIN
             EXIT;
         END IF;
         v_locked := v_locked || v_ords[v_from:v_busy - 1];
+        -- SERIALIZABLE: the transaction's snapshot predates whatever the
+        -- holder commits, which idem.claim would not see after its wait
+        -- (a row in another month's partition): wait for the lock here
+        -- (polling, as idem.claim does, until the batch's deadline), and
+        -- the key joins the others, read under the guard below.
+        IF v_iso = 'serializable' THEN
+            v_sleep := 0.001;
+            LOOP
+                IF pg_try_advisory_xact_lock(1768187245, v_hashes[v_busy]) THEN
+                    v_locked := v_locked || v_ords[v_busy];
+                    EXIT;
+                END IF;
+                EXIT WHEN clock_timestamp() >= v_until;
+                PERFORM pg_sleep(least(v_sleep, greatest(extract(epoch FROM v_until - clock_timestamp()), 0)));
+                v_sleep := least(v_sleep * 2, 0.05);
+            END LOOP;
+            IF v_locked[cardinality(v_locked)] IS NOT DISTINCT FROM v_ords[v_busy] THEN
+                v_from := v_busy + 1;
+                CONTINUE;
+            END IF;
+        END IF;
         SELECT * INTO c FROM idem.claim(claim_batch.source, claim_batch.keys[v_ords[v_busy]], claim_batch.fingerprints[v_ords[v_busy]],
                                         claim_batch.ttl, claim_batch.lease, claim_batch.event_types[v_ords[v_busy]],
                                         greatest(v_until - clock_timestamp(), interval '0'));
@@ -222,6 +250,33 @@ BEGIN
         v_lo := idem.window_start(v_now, v_lookback);
         v_hi := idem.utc_month(v_now + interval '1 day');
         v_adopting := EXISTS (SELECT 1 FROM idem.adoptions a WHERE a.source = claim_batch.source AND a.state = 'copying');
+
+        -- SERIALIZABLE: the transaction's snapshot may predate a claim of
+        -- one of these keys that committed into another month's partition
+        -- before this call took the key's lock, and the probe below would
+        -- not see its row. An insert meets every committed row of its
+        -- partition's unique index, visible or not, and fails with a
+        -- serialization failure on one it cannot see: so a placeholder of
+        -- each key goes into every other month of the window, and those
+        -- inserted (no row of the key there) are deleted again. A visible
+        -- row there is found by the probe as usual.
+        IF v_iso = 'serializable' THEN
+            WITH g AS (
+                INSERT INTO idem.processed_events AS e
+                       (source, key, first_seen_month, status, attempts, token, first_seen, updated_at, expires_at)
+                SELECT claim_batch.source, claim_batch.keys[l.o], m.m, 'processing', 1, 0, v_now, v_now, v_now
+                  FROM unnest(v_locked) l(o),
+                       (SELECT d::date AS m FROM generate_series(v_lo, v_hi, interval '1 month') d) m
+                 WHERE m.m <> idem.utc_month(v_now)
+                ON CONFLICT DO NOTHING
+                RETURNING e.key, e.first_seen_month)
+            SELECT array_agg(g.key), array_agg(g.first_seen_month) INTO v_gkeys, v_gmonths FROM g;
+            IF v_gkeys IS NOT NULL THEN
+                DELETE FROM idem.processed_events e
+                 USING unnest(v_gkeys, v_gmonths) g(k, m)
+                 WHERE e.source = claim_batch.source AND e.key = g.k AND e.first_seen_month = g.m AND e.token = 0;
+            END IF;
+        END IF;
 
         -- One statement for the common answers: each key's live row in the
         -- window, probed by its own index lookup (a lateral probe: `key =
