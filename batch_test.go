@@ -182,10 +182,10 @@ func TestClaimBatchRefusals(t *testing.T) {
 // serialization failure). Every key is acquired exactly once, and no batch
 // meets a deadlock or a lock-table error.
 //
-// (SERIALIZABLE across the boundary is left out: a serializable claim
+// (SERIALIZABLE across the boundary is left out: a serializable batch
 // whose snapshot predates another claim's commit in the other month's
-// partition does not see that row, single-key idem.claim as well as the
-// batch; docs/reliability.md.)
+// partition does not see that row; single-key idem.claim meets it since
+// migration 21, the batch's own insert does not yet; docs/batch.md.)
 func TestClaimBatchStorm(t *testing.T) {
 	t.Parallel()
 	t.Run("month boundary", func(t *testing.T) { batchStorm(t, pgx.ReadCommitted, true) })
