@@ -31,6 +31,7 @@ DECLARE
     v_adopt    bigint;
     v_adopt_seen boolean := false;
     v_token    bigint;
+    v_m        date;
     v_weight   integer;
 BEGIN
     IF v_iso = 'repeatable read' THEN
@@ -214,6 +215,25 @@ BEGIN
                             WHERE h.source = claim.source AND h.key = claim.key AND h.state = 'queued') THEN
                     outcome := 'in_progress';
                     EXIT;
+                END IF;
+                -- (version 21) SERIALIZABLE: a claim of this key committed
+                -- into another month after this transaction's snapshot is
+                -- not seen by the probe above. A placeholder insert into
+                -- each other month of the window meets it (40001 on a
+                -- committed row the snapshot cannot see); one that went in
+                -- is deleted again.
+                IF v_iso = 'serializable' AND current_setting('idem.citus', true) IS DISTINCT FROM 'on' THEN
+                    FOR v_m IN SELECT g::date FROM generate_series(v_lo::timestamp, v_hi::timestamp, interval '1 month') g LOOP
+                        CONTINUE WHEN v_m = idem.utc_month(v_now);
+                        INSERT INTO idem.processed_events AS e
+                               (source, key, first_seen_month, status, attempts, token, first_seen, updated_at, expires_at)
+                        VALUES (claim.source, claim.key, v_m, 'processing', 1, 0, v_now, v_now, v_now)
+                        ON CONFLICT DO NOTHING;
+                        IF FOUND THEN
+                            DELETE FROM idem.processed_events e
+                             WHERE e.source = claim.source AND e.key = claim.key AND e.first_seen_month = v_m AND e.token = 0;
+                        END IF;
+                    END LOOP;
                 END IF;
                 -- None: a new row in the current month (under the key's
                 -- lock no other claim of the key writes meanwhile). (version
