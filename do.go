@@ -261,12 +261,51 @@ func (c *Client) heartbeat(ctx context.Context, cancel context.CancelCauseFunc, 
 	}
 	every := max(time.Duration(float64(lease)*c.cfg.HeartbeatFraction), 50*time.Millisecond)
 	bctx := context.WithoutCancel(ctx)
+	return beatEvery(every, sent, func(<-chan struct{}) (time.Time, bool) {
+		start := time.Now()
+		switch lost, retry := c.beat(bctx, cl, lease, every); {
+		case lost:
+			cancel(ErrLeaseLost)
+			c.cfg.Logger.LogAttrs(bctx, slog.LevelWarn, "idem: lease lost while the work runs; its context is cancelled",
+				slog.String("source", cl.Source), slog.String("key", cl.Key))
+			return time.Time{}, true
+		case retry:
+			// Try again soon: the lease still has about
+			// lease*(1-fraction) left from the last extension.
+			return time.Now().Add(max(every/4, 50*time.Millisecond)), false
+		}
+		return start.Add(every), false
+	})
+}
+
+// beat extends cl's lease by lease once, within every. lost: the key is
+// no longer cl's (another worker took it over, or it is gone); retry: the
+// extension failed otherwise (logged), and is worth trying again soon.
+func (c *Client) beat(ctx context.Context, cl *Claim, lease, every time.Duration) (lost, retry bool) {
+	ectx, ecancel := context.WithTimeout(ctx, every)
+	_, err := c.Extend(ectx, cl.Source, cl.Key, cl.Token, lease)
+	ecancel()
+	switch {
+	case err == nil:
+		return false, false
+	case errors.Is(err, ErrStaleToken), errors.Is(err, ErrNotFound):
+		return true, false
+	}
+	c.cfg.Logger.LogAttrs(ctx, slog.LevelWarn, "idem: lease heartbeat failed; will retry",
+		slog.String("source", cl.Source), slog.String("key", cl.Key), slog.Any("error", err))
+	return false, true
+}
+
+// beatEvery calls beat in a goroutine of its own, first every after sent,
+// then at the time each call returns, until beat says stop or the returned
+// function is called (which waits for the goroutine to end). beat is given
+// the channel that function closes, to stop early within a long beat.
+func beatEvery(every time.Duration, sent time.Time, beat func(done <-chan struct{}) (next time.Time, stop bool)) func() {
 	done := make(chan struct{})
 	stopped := make(chan struct{})
 	go func() {
 		defer close(stopped)
-		next := sent.Add(every)
-		t := time.NewTimer(time.Until(next))
+		t := time.NewTimer(time.Until(sent.Add(every)))
 		defer t.Stop()
 		for {
 			select {
@@ -274,24 +313,9 @@ func (c *Client) heartbeat(ctx context.Context, cancel context.CancelCauseFunc, 
 				return
 			case <-t.C:
 			}
-			start := time.Now()
-			ectx, ecancel := context.WithTimeout(bctx, every)
-			_, err := c.Extend(ectx, cl.Source, cl.Key, cl.Token, lease)
-			ecancel()
-			switch {
-			case err == nil:
-				next = start.Add(every)
-			case errors.Is(err, ErrStaleToken), errors.Is(err, ErrNotFound):
-				cancel(ErrLeaseLost)
-				c.cfg.Logger.LogAttrs(bctx, slog.LevelWarn, "idem: lease lost while the work runs; its context is cancelled",
-					slog.String("source", cl.Source), slog.String("key", cl.Key))
+			next, stop := beat(done)
+			if stop {
 				return
-			default:
-				// Try again soon: the lease still has about
-				// lease*(1-fraction) left from the last extension.
-				next = time.Now().Add(max(every/4, 50*time.Millisecond))
-				c.cfg.Logger.LogAttrs(bctx, slog.LevelWarn, "idem: lease heartbeat failed; will retry",
-					slog.String("source", cl.Source), slog.String("key", cl.Key), slog.Any("error", err))
 			}
 			t.Reset(time.Until(next))
 		}

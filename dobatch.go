@@ -273,48 +273,27 @@ func (c *Client) batchHeartbeat(ctx context.Context, acquired []*Claim, lost []b
 	}
 	every := max(time.Duration(float64(lease)*c.cfg.HeartbeatFraction), 50*time.Millisecond)
 	bctx := context.WithoutCancel(ctx)
-	done := make(chan struct{})
-	stopped := make(chan struct{})
-	go func() {
-		defer close(stopped)
-		next := sent.Add(every)
-		t := time.NewTimer(time.Until(next))
-		defer t.Stop()
-		for {
+	return beatEvery(every, sent, func(done <-chan struct{}) (time.Time, bool) {
+		next := time.Now().Add(every)
+		for j, cl := range acquired {
 			select {
 			case <-done:
-				return
-			case <-t.C:
+				return time.Time{}, true
+			default:
 			}
-			start := time.Now()
-			next = start.Add(every)
-			for j, cl := range acquired {
-				select {
-				case <-done:
-					return
-				default:
-				}
-				if lost[j] {
-					continue
-				}
-				ectx, ecancel := context.WithTimeout(bctx, every)
-				_, err := c.Extend(ectx, cl.Source, cl.Key, cl.Token, cl.LeaseRemaining)
-				ecancel()
-				switch {
-				case err == nil:
-				case errors.Is(err, ErrStaleToken), errors.Is(err, ErrNotFound):
-					lost[j] = true
-					c.cfg.Logger.LogAttrs(bctx, slog.LevelWarn, "idem: lease lost while the batch's work runs",
-						slog.String("source", cl.Source), slog.String("key", cl.Key))
-				default:
-					// Try again soon, as heartbeat does.
-					next = time.Now().Add(max(every/4, 50*time.Millisecond))
-					c.cfg.Logger.LogAttrs(bctx, slog.LevelWarn, "idem: lease heartbeat failed; will retry",
-						slog.String("source", cl.Source), slog.String("key", cl.Key), slog.Any("error", err))
-				}
+			if lost[j] {
+				continue
 			}
-			t.Reset(time.Until(next))
+			switch gone, retry := c.beat(bctx, cl, cl.LeaseRemaining, every); {
+			case gone:
+				lost[j] = true
+				c.cfg.Logger.LogAttrs(bctx, slog.LevelWarn, "idem: lease lost while the batch's work runs",
+					slog.String("source", cl.Source), slog.String("key", cl.Key))
+			case retry:
+				// Try again soon, as heartbeat does.
+				next = time.Now().Add(max(every/4, 50*time.Millisecond))
+			}
 		}
-	}()
-	return func() { close(done); <-stopped }
+		return next, false
+	})
 }
