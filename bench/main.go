@@ -22,12 +22,14 @@ import (
 	"os"
 	"os/signal"
 	"runtime"
+	"strconv"
 	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 
+	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/internal/pgcluster"
 	"github.com/idemkit/idem/migrate"
 )
@@ -55,6 +57,18 @@ func main() {
 	flag.DurationVar(&o.duration, "duration", 0, "length of one side of one round (default 2s, full 5s)")
 	flag.StringVar(&o.out, "out", "bench/results.md", "write the markdown table here too")
 	flag.StringVar(&o.only, "only", "", "run only the sections whose name contains this (claim, dup, complete, lib, maint, retention, scale, inbox, wait, cache, otel, adopt, plans, dashboard, e2e, batch)")
+	flag.Func("batch-sizes", "the batch section's batch sizes, comma-separated (default 1,10,100,1000)", func(v string) error {
+		var sizes []int
+		for _, f := range strings.Split(v, ",") {
+			n, err := strconv.Atoi(strings.TrimSpace(f))
+			if err != nil || n < 1 || n > idem.MaxBatch {
+				return fmt.Errorf("batch size %q: want 1 to %d", f, idem.MaxBatch)
+			}
+			sizes = append(sizes, n)
+		}
+		batchSizes = sizes
+		return nil
+	})
 	flag.Parse()
 	o.defaults()
 
