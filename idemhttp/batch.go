@@ -8,9 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
-	"slices"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/idemkit/idem"
@@ -30,8 +28,8 @@ import (
 // A delivery whose events all ran before is answered 200 with
 // Idempotency-Replayed: true, without running anything.
 //
-// Each event is claimed on its own, through idem.Client.Claim (claimEach):
-// the one place a claim of many keys in one round trip would go.
+// The events are claimed on their own keys in one batch claim
+// (idem.Client.ClaimBatch, in claimEach): one round trip per delivery.
 
 // batchSpec describes a multi-event delivery's body.
 type batchSpec struct {
@@ -196,23 +194,27 @@ type claimed struct {
 	token int64
 }
 
-// claimEach claims every event's key, in key order (two copies of one
-// delivery take the keys in the same order). It returns the events
+// claimEach claims every event's key in batch claims (which take the keys
+// in one global order: two copies of one delivery cannot deadlock). It
+// returns the events
 // acquired, in the delivery's order, and how many are running under
 // another copy. On an error it releases what it acquired.
 func (m *middleware) claimEach(ctx context.Context, events []batchEvent, lease time.Duration) (mine []claimed, busy int, err error) {
-	order := slices.Clone(events)
-	slices.SortFunc(order, func(a, b batchEvent) int { return strings.Compare(a.key, b.key) })
+	opts := []idem.ClaimOption{idem.WithLease(lease)}
+	if m.cfg.TTL > 0 {
+		opts = append(opts, idem.WithTTL(m.cfg.TTL))
+	}
 	tokens := map[string]int64{}
-	for _, ev := range order {
-		opts := []idem.ClaimOption{idem.WithLease(lease)}
-		if ev.eventType != "" {
-			opts = append(opts, idem.WithEventType(ev.eventType))
+	// One batch claim per idem.MaxBatch events (a batch claim takes its
+	// keys' locks in one global order, so two copies of one delivery
+	// cannot deadlock); a failed one releases what the earlier ones took.
+	for from := 0; from < len(events); from += idem.MaxBatch {
+		chunk := events[from:min(from+idem.MaxBatch, len(events))]
+		items := make([]idem.BatchItem, len(chunk))
+		for i, ev := range chunk {
+			items[i] = idem.BatchItem{Key: ev.key, EventType: ev.eventType}
 		}
-		if m.cfg.TTL > 0 {
-			opts = append(opts, idem.WithTTL(m.cfg.TTL))
-		}
-		cl, err := m.cfg.Client.Claim(ctx, m.cfg.Source, ev.key, opts...)
+		cls, err := m.cfg.Client.ClaimBatch(ctx, m.cfg.Source, items, opts...)
 		if err != nil {
 			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), idem.DefaultRecordTimeout)
 			for k, t := range tokens {
@@ -221,14 +223,16 @@ func (m *middleware) claimEach(ctx context.Context, events []batchEvent, lease t
 			cancel()
 			return nil, 0, err
 		}
-		switch cl.Outcome {
-		case idem.Acquired:
-			tokens[ev.key] = cl.Token
-		case idem.InProgress:
-			busy++
-		default:
-			// Completed (or failed permanently, which no batch preset
-			// records): ran before.
+		for _, cl := range cls {
+			switch cl.Outcome {
+			case idem.Acquired:
+				tokens[cl.Key] = cl.Token
+			case idem.InProgress:
+				busy++
+			default:
+				// Completed (or failed permanently, which no batch preset
+				// records): ran before.
+			}
 		}
 	}
 	for _, ev := range events {
