@@ -119,7 +119,7 @@ func (a *app) runInbox(sub string, f inbox.Filter, since string, asJSON, dryRun 
 			return nil
 		}
 		if dryRun {
-			fmt.Fprintf(io.Out, "would replay %d dead letter(s):\n", len(dead))
+			fmt.Fprintf(io.Out, "would replay %s dead letter(s):\n", human(int64(len(dead))))
 		}
 		tw := tabwriter.NewWriter(io.Out, 0, 0, 2, ' ', 0)
 		fmt.Fprintln(tw, "JOB\tSOURCE\tKEY\tTYPE\tATTEMPTS\tSTATE\tFAILED AT\tLAST ERROR")
