@@ -7,6 +7,8 @@ CREATE OR REPLACE FUNCTION idem.claim_weight(p_source text, p_sample integer, p_
 AS $function$
 DECLARE
     v_counted bigint;
+    v_minute  timestamptz;
+    v_tag     text;
 BEGIN
     IF p_sample IS NULL OR p_sample < 0 OR p_sample > 1000000 THEN
         RAISE EXCEPTION USING ERRCODE = '22023',
@@ -19,13 +21,24 @@ BEGIN
     ELSIF p_sample = 1 THEN
         RETURN 1;
     END IF;
-    -- The source's claims counted in this minute (its slots: one per
-    -- backend; idem.activity's primary key starts with minute, source).
-    SELECT pg_catalog.sum(a.acquired + a.duplicates) INTO v_counted
-      FROM idem.activity a
-     WHERE a.minute = idem.activity_minute(p_now) AND a.source = p_source;
-    IF coalesce(v_counted, 0) < idem.exact_counting_rate() THEN
-        RETURN 1;
+    v_minute := idem.activity_minute(p_now);
+    -- A session that found the source at or above the rate in this minute
+    -- samples for the rest of it (the minute's count only grows) without
+    -- reading idem.activity again: the session setting
+    -- idem.sampled_minute remembers the minute and the source (one source
+    -- a session; another source, or the next minute, reads again). It is
+    -- only a cache of a fact every session would read the same.
+    v_tag := (EXTRACT(epoch FROM v_minute))::bigint::text OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||) p_source;
+    IF pg_catalog.current_setting('idem.sampled_minute', true) IS DISTINCT FROM v_tag THEN
+        -- The source's claims counted in this minute (its slots: one per
+        -- backend; idem.activity's primary key starts with minute, source).
+        SELECT pg_catalog.sum(a.acquired + a.duplicates) INTO v_counted
+          FROM idem.activity a
+         WHERE a.minute = v_minute AND a.source = p_source;
+        IF coalesce(v_counted, 0) < idem.exact_counting_rate() THEN
+            RETURN 1;
+        END IF;
+        PERFORM pg_catalog.set_config('idem.sampled_minute', v_tag, false);
     END IF;
     IF pg_catalog.random() * p_sample < 1 THEN
         RETURN p_sample;
