@@ -3,7 +3,6 @@ package migrate_test
 import (
 	"context"
 	"database/sql"
-	"fmt"
 	"testing"
 )
 
@@ -40,13 +39,15 @@ func TestUpgradeTo21(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer tx.Rollback()
-		if _, err := tx.ExecContext(ctx, `SELECT 1`); err != nil {
+		// The snapshot first, under a session as hostile as a deployment's
+		// can be: another DateStyle and a time zone far from UTC.
+		if _, err := tx.ExecContext(ctx, `SET LOCAL DateStyle = 'SQL, DMY'; SET LOCAL TimeZone = 'Pacific/Chatham'; SELECT 1`); err != nil {
 			t.Fatal(err)
 		}
-		if _, err := db.ExecContext(ctx, fmt.Sprintf(`INSERT INTO idem.processed_events
+		if _, err := db.ExecContext(ctx, `INSERT INTO idem.processed_events
 			(source, key, first_seen_month, status, attempts, token, first_seen, updated_at, expires_at, result)
-			VALUES ('sm', %[1]s, (date_trunc('month', now() AT TIME ZONE 'UTC') - interval '1 month')::date,
-			        'completed', 1, 1, now(), now(), now() + interval '30 days', '{"done":true}')`, quoteLit(k))); err != nil {
+			VALUES ('sm', $1, (date_trunc('month', now() AT TIME ZONE 'UTC') - interval '1 month')::date,
+			        'completed', 1, 1, now(), now(), now() + interval '30 days', '{"done":true}')`, k); err != nil {
 			t.Fatal(err)
 		}
 		err = tx.QueryRowContext(ctx, `SELECT outcome FROM idem.claim('sm', $1)`, k).Scan(&outcome)
@@ -84,5 +85,3 @@ func TestUpgradeTo21(t *testing.T) {
 	}
 	seededAnswered(t, db, "up again")
 }
-
-func quoteLit(s string) string { return "'" + s + "'" }
