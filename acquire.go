@@ -64,36 +64,38 @@ func acquireErr(ctx context.Context, err error, wait time.Duration, maxConns int
 	return err
 }
 
-// pgxBounded takes a connection of pool for one statement under ctx when
-// ctx asks for a bounded wait; release returns it. ok is false when there
-// is nothing to do (not a pool, or no bound asked): run on the pool.
-func pgxBounded(ctx context.Context, db PgxExecutor) (conn *pgxpool.Conn, ok bool, err error) {
-	pool, isPool := db.(*pgxpool.Pool)
+// boundedConn takes a connection for one statement under ctx when ctx
+// asks for a bounded wait (boundAcquire): acquire, under a deadline of that
+// wait, past which the error is a NoConnectionError naming the pool's size.
+// ok is false when ctx asks for nothing: run on the pool as usual.
+func boundedConn[C any](ctx context.Context, acquire func(context.Context) (C, error), maxConns func() int) (conn C, ok bool, err error) {
 	wait, bounded := ctx.Value(acquireWaitKey{}).(time.Duration)
-	if !isPool || !bounded {
-		return nil, false, nil
+	if !bounded {
+		return conn, false, nil
 	}
 	actx, cancel := context.WithTimeout(ctx, wait)
 	defer cancel()
-	conn, err = pool.Acquire(actx)
+	conn, err = acquire(actx)
 	if err != nil {
-		return nil, true, acquireErr(ctx, err, wait, int(pool.Config().MaxConns))
+		return conn, true, acquireErr(ctx, err, wait, maxConns())
 	}
 	return conn, true, nil
 }
 
-// sqlBounded is pgxBounded for database/sql.
-func sqlBounded(ctx context.Context, db SQLExecutor) (conn *sql.Conn, ok bool, err error) {
-	pool, isPool := db.(*sql.DB)
-	wait, bounded := ctx.Value(acquireWaitKey{}).(time.Duration)
-	if !isPool || !bounded {
+// pgxBounded is boundedConn on a pgx pool (ok false for any other executor).
+func pgxBounded(ctx context.Context, db PgxExecutor) (*pgxpool.Conn, bool, error) {
+	pool, isPool := db.(*pgxpool.Pool)
+	if !isPool {
 		return nil, false, nil
 	}
-	actx, cancel := context.WithTimeout(ctx, wait)
-	defer cancel()
-	conn, err = pool.Conn(actx)
-	if err != nil {
-		return nil, true, acquireErr(ctx, err, wait, pool.Stats().MaxOpenConnections)
+	return boundedConn(ctx, pool.Acquire, func() int { return int(pool.Config().MaxConns) })
+}
+
+// sqlBounded is boundedConn on a *sql.DB.
+func sqlBounded(ctx context.Context, db SQLExecutor) (*sql.Conn, bool, error) {
+	pool, isPool := db.(*sql.DB)
+	if !isPool {
+		return nil, false, nil
 	}
-	return conn, true, nil
+	return boundedConn(ctx, pool.Conn, func() int { return pool.Stats().MaxOpenConnections })
 }
