@@ -13,6 +13,7 @@ DECLARE
     v_iso      text := current_setting('transaction_isolation');
     v_n        integer := cardinality(claim_batch.keys);
     v_now      timestamptz;
+    v_cur      date;               -- the current month: where a new key goes
     v_ttl      interval;
     v_lease    interval;
     v_max      integer;
@@ -24,7 +25,10 @@ DECLARE
     v_hi       date;
     v_until    timestamptz;
     v_adopting boolean;
-    v_ords     integer[];          -- the distinct keys' first positions, in lock order
+    v_final    boolean;
+    v_base     bigint;             -- the batch's token; each acquired key's is derived from it
+    v_firsts   integer[];          -- every distinct key's first position
+    v_ords     integer[];          -- the positions to lock (no final answer yet), in lock order
     v_hashes   integer[];          -- their lock keys
     v_locked   integer[] := '{}';  -- the positions whose key this call has locked
     v_from     integer;            -- the next position of v_ords to lock
@@ -34,10 +38,21 @@ DECLARE
     v_gmonths  date[];
     v_slow     integer[];          -- the positions idem.claim answers
     v_i        integer;
-    v_acq      integer;
-    v_dups     integer;
+    v_acq      integer := 0;
+    v_dups     integer := 0;
     c          record;
-    -- The answers of the set-based path, one element per position.
+    -- The answers of the set-based statements, one element per position:
+    -- final answers read before any lock (f_), and the locked keys' (a_).
+    f_ord      integer[];
+    f_outcome  text[];
+    f_attempt  integer[];
+    f_lease_at timestamptz[];
+    f_result   jsonb[];
+    f_error    text[];
+    f_first    timestamptz[];
+    f_expires  timestamptz[];
+    f_left     interval[];
+    f_month    date[];
     a_ord      integer[];
     a_outcome  text[];
     a_token    bigint[];
@@ -102,23 +117,89 @@ BEGIN
     END IF;
     v_until := clock_timestamp() + coalesce(claim_batch.lock_wait, interval '5 seconds');
 
-    -- The distinct keys (each at its first position) in the global lock
-    -- order: by the lock's key, then position.
-    SELECT array_agg(d.o ORDER BY d.h, d.o), array_agg(d.h ORDER BY d.h, d.o)
-      INTO v_ords, v_hashes
-      FROM (SELECT min(u.o)::integer AS o, hashtext(claim_batch.source || chr(31) || u.k) AS h
-              FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o)
-             GROUP BY u.k) d;
+    -- The source's lookback, for the window of the first read. A lookback
+    -- raised meanwhile only makes that read miss a row, and a key it does
+    -- not answer is read again under its lock below.
+    SELECT max(l.lookback) INTO v_lookback FROM idem.lookbacks l WHERE l.source IN (claim_batch.source, '*');
+    v_now := idem.clock();
 
-    -- Each key's lock in that order, as idem.claim takes it: one statement
-    -- tries them in order and stops at the first that another open
-    -- transaction holds (LIMIT 1: the later ones are not tried). That key
-    -- is answered by idem.claim at once (from what is committed when that
-    -- is final, or after waiting for the lock until the batch's deadline),
-    -- and the statement goes on after it: a batch never holds a later key
-    -- while it waits for an earlier one.
+    -- A batch whose first key already has a final answer (completed,
+    -- failed for good, a mismatch, a live lease) is most likely a
+    -- redelivery: its keys are read first, before any lock, and those with
+    -- a final answer answer at once, as idem.claim answers from what is
+    -- committed when a key's lock is busy; a duplicate then takes no lock
+    -- and writes nothing. Any other batch goes to its locks at once, and
+    -- its keys are read there (a new key is then looked up once, by its
+    -- insert). Both paths give each key the same answer.
+    SELECT true INTO v_final
+      FROM idem.processed_events x
+     WHERE x.source = claim_batch.source AND x.key = claim_batch.keys[1]
+       AND x.first_seen_month >= idem.window_start(v_now, v_lookback)
+       AND x.first_seen_month <= idem.utc_month(v_now + interval '1 day')
+       AND x.expires_at > v_now
+       AND idem.settled_outcome(x.status, x.retryable, x.lease_expires_at, x.fingerprint,
+                                claim_batch.fingerprints[1], v_now) IS NOT NULL
+     LIMIT 1;
+    IF NOT FOUND THEN
+        -- The distinct keys (each at its first position) in the global
+        -- lock order: by the lock's key, then position.
+        SELECT array_agg(d.o), array_agg(d.o ORDER BY d.h, d.o), array_agg(d.h ORDER BY d.h, d.o)
+          INTO v_firsts, v_ords, v_hashes
+          FROM (SELECT min(u.o)::integer AS o, hashtext(claim_batch.source || chr(31) || u.k) AS h
+                  FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o)
+                 GROUP BY u.k) d;
+    ELSE
+        -- One statement: each distinct key (at its first position) and its
+        -- live row in the window, probed by its own index lookup (a lateral
+        -- probe: `key = ANY(...)` under a generic plan filters every row of
+        -- the source); the keys without a final answer in the global lock
+        -- order (by the lock's key, then position).
+        SELECT array_agg(d.o),
+               array_agg(d.o ORDER BY d.h, d.o) FILTER (WHERE d.settled IS NULL),
+               array_agg(d.h ORDER BY d.h, d.o) FILTER (WHERE d.settled IS NULL),
+               array_agg(d.o) FILTER (WHERE d.settled IS NOT NULL),
+               array_agg(d.settled) FILTER (WHERE d.settled IS NOT NULL),
+               array_agg(d.attempts) FILTER (WHERE d.settled IS NOT NULL),
+               array_agg(CASE WHEN d.settled IN ('in_progress', 'mismatch') THEN d.lease_expires_at END) FILTER (WHERE d.settled IS NOT NULL),
+               array_agg(CASE WHEN d.settled = 'completed' THEN d.result END) FILTER (WHERE d.settled IS NOT NULL),
+               array_agg(CASE WHEN d.settled IN ('failed', 'completed') THEN d.last_error END) FILTER (WHERE d.settled IS NOT NULL),
+               array_agg(d.first_seen) FILTER (WHERE d.settled IS NOT NULL),
+               array_agg(d.expires_at) FILTER (WHERE d.settled IS NOT NULL),
+               array_agg(CASE WHEN d.settled = 'in_progress' THEN greatest(d.lease_expires_at - v_now, interval '0') END) FILTER (WHERE d.settled IS NOT NULL),
+               array_agg(d.first_seen_month) FILTER (WHERE d.settled IS NOT NULL)
+          INTO v_firsts, v_ords, v_hashes,
+               f_ord, f_outcome, f_attempt, f_lease_at, f_result, f_error, f_first, f_expires, f_left, f_month
+          FROM (SELECT g.o, g.h, e.*,
+                       idem.settled_outcome(e.status, e.retryable, e.lease_expires_at, e.fingerprint,
+                                            claim_batch.fingerprints[g.o], v_now) AS settled
+                  FROM (SELECT min(u.o)::integer AS o, hashtext(claim_batch.source || chr(31) || u.k) AS h, u.k
+                          FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o)
+                         GROUP BY u.k) g
+                  LEFT JOIN LATERAL (
+                      SELECT x.first_seen_month, x.status, x.attempts, x.lease_expires_at, x.fingerprint, x.result,
+                             x.last_error, x.retryable, x.first_seen, x.expires_at
+                        FROM idem.processed_events x
+                       WHERE x.source = claim_batch.source AND x.key = g.k
+                         AND x.first_seen_month >= idem.window_start(v_now, v_lookback)
+                         AND x.first_seen_month <= idem.utc_month(v_now + interval '1 day')
+                         AND x.expires_at > v_now
+                       LIMIT 1) e ON true) d;
+    END IF;
+    IF f_ord IS NOT NULL THEN
+        RETURN QUERY SELECT x.o, x.outcome, NULL::bigint, x.attempt, x.lease_at, x.result, x.error, x.first, x.expires, x.left_
+                       FROM unnest(f_ord, f_outcome, f_attempt, f_lease_at, f_result, f_error, f_first, f_expires, f_left)
+                            x(o, outcome, attempt, lease_at, result, error, first, expires, left_);
+    END IF;
+
+    -- Each remaining key's lock in that order, as idem.claim takes it: one
+    -- statement tries them in order and stops at the first that another
+    -- open transaction holds (LIMIT 1: the later ones are not tried). That
+    -- key is answered by idem.claim at once (from what is committed when
+    -- that is final, or after waiting for the lock until the batch's
+    -- deadline), and the statement goes on after it: a batch never holds a
+    -- later key while it waits for an earlier one.
     v_from := 1;
-    WHILE v_from <= cardinality(v_ords) LOOP
+    WHILE v_from <= coalesce(cardinality(v_ords), 0) LOOP
         SELECT v_from + u.i::integer - 1 INTO v_busy
           FROM unnest(v_hashes[v_from:]) WITH ORDINALITY u(h, i)
          WHERE NOT pg_try_advisory_xact_lock(1768187245, u.h)
@@ -191,7 +272,9 @@ BEGIN
         -- the source to the month of tomorrow.
         v_lo := idem.window_start(v_now, v_lookback);
         v_hi := idem.utc_month(v_now + interval '1 day');
+        v_cur := idem.utc_month(v_now);
         v_adopting := EXISTS (SELECT 1 FROM idem.adoptions a WHERE a.source = claim_batch.source AND a.state = 'copying');
+        v_base := idem.new_token();
 
         -- SERIALIZABLE: the transaction's snapshot may predate a claim of
         -- one of these keys that committed into another month's partition
@@ -209,7 +292,7 @@ BEGIN
                 SELECT claim_batch.source, claim_batch.keys[l.o], m.m, 'processing', 1, 0, v_now, v_now, v_now
                   FROM unnest(v_locked) l(o),
                        (SELECT d::date AS m FROM generate_series(v_lo, v_hi, interval '1 month') d) m
-                 WHERE m.m <> idem.utc_month(v_now)
+                 WHERE m.m <> v_cur
                 ON CONFLICT DO NOTHING
                 RETURNING e.key, e.first_seen_month)
             SELECT array_agg(g.key), array_agg(g.first_seen_month) INTO v_gkeys, v_gmonths FROM g;
@@ -220,15 +303,22 @@ BEGIN
             END IF;
         END IF;
 
-        -- One statement for the common answers: each key's live row in the
-        -- window, probed by its own index lookup (a lateral probe: `key =
-        -- ANY(...)` under a generic plan filters every row of the source);
-        -- a settled row answers as idem.claim answers it (a duplicate); a
-        -- key with no row and no hold is inserted (acquired), one with a
-        -- hold answers in_progress. What is left (a lost lease or a
-        -- retryable failure to take over, an expired row in the current
-        -- month, a key while its source's legacy table is adopted) is
-        -- idem.claim's, below.
+        -- One statement for the locked keys' common answers, read again
+        -- under their locks with a new snapshot:
+        -- * p: each key's live row in the window's other months (before
+        --   and after the current one, each an index lookup); a settled
+        --   one answers as idem.claim answers it; for a key with none, its
+        --   queue hold (a probe with LIMIT: an EXISTS may be planned as a
+        --   hash of every hold of the source);
+        -- * ins: a key with no row there and no hold is inserted into the
+        --   current month (ON CONFLICT DO NOTHING: the unique index reads
+        --   the current month for it, so it is not probed first): acquired;
+        -- * cur: a key the insert met a row of, or a held key, is answered
+        --   from its live row in the current month when that is settled;
+        --   a held key without one is in_progress.
+        -- What is left (a lost lease or a retryable failure to take over,
+        -- an expired row in the current month, a key while its source's
+        -- legacy table is adopted) is idem.claim's, below.
         WITH p AS MATERIALIZED (
             SELECT l.o, claim_batch.keys[l.o] AS k, e.*,
                    CASE WHEN e.status IS NULL AND NOT v_adopting THEN h.held IS NOT NULL END AS held,
@@ -236,15 +326,22 @@ BEGIN
                                         claim_batch.fingerprints[l.o], v_now) AS settled
               FROM unnest(v_locked) l(o)
               LEFT JOIN LATERAL (
-                  SELECT x.first_seen_month, x.status, x.attempts, x.lease_expires_at, x.fingerprint, x.result,
-                         x.last_error, x.retryable, x.first_seen, x.expires_at
-                    FROM idem.processed_events x
-                   WHERE x.source = claim_batch.source AND x.key = claim_batch.keys[l.o]
-                     AND x.first_seen_month >= v_lo AND x.first_seen_month <= v_hi
-                     AND x.expires_at > v_now
-                   LIMIT 1) e ON true
-              -- (a probe with LIMIT: an EXISTS may be planned as a hash of
-              -- every hold of the source)
+                  (SELECT x.first_seen_month, x.status, x.attempts, x.lease_expires_at, x.fingerprint, x.result,
+                          x.last_error, x.retryable, x.first_seen, x.expires_at
+                     FROM idem.processed_events x
+                    WHERE x.source = claim_batch.source AND x.key = claim_batch.keys[l.o]
+                      AND x.first_seen_month >= v_lo AND x.first_seen_month < v_cur
+                      AND x.expires_at > v_now
+                    LIMIT 1)
+                  UNION ALL
+                  (SELECT x.first_seen_month, x.status, x.attempts, x.lease_expires_at, x.fingerprint, x.result,
+                          x.last_error, x.retryable, x.first_seen, x.expires_at
+                     FROM idem.processed_events x
+                    WHERE x.source = claim_batch.source AND x.key = claim_batch.keys[l.o]
+                      AND x.first_seen_month >= (v_cur + interval '1 month')::date AND x.first_seen_month <= v_hi
+                      AND x.expires_at > v_now
+                    LIMIT 1)
+                  LIMIT 1) e ON true
               LEFT JOIN LATERAL (
                   SELECT true AS held FROM idem.holds y
                    WHERE y.source = claim_batch.source AND y.key = claim_batch.keys[l.o] AND y.state = 'queued'
@@ -253,12 +350,25 @@ BEGIN
             INSERT INTO idem.processed_events AS e
                    (source, key, first_seen_month, event_type, status, attempts, token,
                     lease_expires_at, fingerprint, first_seen, updated_at, expires_at)
-            SELECT claim_batch.source, p.k, idem.utc_month(v_now), claim_batch.event_types[p.o],
-                   'processing', 1, idem.new_token(), v_now + v_lease, claim_batch.fingerprints[p.o], v_now, v_now,
-                   v_now + greatest(v_ttl, v_lease)
+            SELECT claim_batch.source, p.k, v_cur, claim_batch.event_types[p.o],
+                   'processing', 1, greatest(v_base # (p.o::bigint * 2654435761), 1), v_now + v_lease,
+                   claim_batch.fingerprints[p.o], v_now, v_now, v_now + greatest(v_ttl, v_lease)
               FROM p WHERE p.held = false
             ON CONFLICT DO NOTHING
             RETURNING e.key, e.token, e.attempts, e.lease_expires_at, e.first_seen, e.expires_at),
+        cur AS MATERIALIZED (
+            SELECT p.o, p.held, r.*,
+                   idem.settled_outcome(r.status, r.retryable, r.lease_expires_at, r.fingerprint,
+                                        claim_batch.fingerprints[p.o], v_now) AS settled
+              FROM p
+              LEFT JOIN LATERAL (
+                  SELECT x.first_seen_month, x.status, x.attempts, x.lease_expires_at, x.fingerprint, x.result,
+                         x.last_error, x.retryable, x.first_seen, x.expires_at
+                    FROM idem.processed_events x
+                   WHERE x.source = claim_batch.source AND x.key = p.k
+                     AND x.first_seen_month = v_cur AND x.expires_at > v_now
+                   LIMIT 1) r ON true
+             WHERE p.held IS NOT NULL AND NOT EXISTS (SELECT 1 FROM ins i WHERE i.key = p.k)),
         a AS (
             SELECT p.o, p.settled AS outcome, NULL::bigint AS token, p.attempts,
                    CASE WHEN p.settled IN ('in_progress', 'mismatch') THEN p.lease_expires_at END AS lease_at,
@@ -269,8 +379,17 @@ BEGIN
                    p.first_seen_month AS month
               FROM p WHERE p.settled IS NOT NULL
             UNION ALL
-            SELECT p.o, 'in_progress', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-              FROM p WHERE p.held
+            SELECT r.o, r.settled, NULL, r.attempts,
+                   CASE WHEN r.settled IN ('in_progress', 'mismatch') THEN r.lease_expires_at END,
+                   CASE WHEN r.settled = 'completed' THEN r.result END,
+                   CASE WHEN r.settled IN ('failed', 'completed') THEN r.last_error END,
+                   r.first_seen, r.expires_at,
+                   CASE WHEN r.settled = 'in_progress' THEN greatest(r.lease_expires_at - v_now, interval '0') END,
+                   r.first_seen_month
+              FROM cur r WHERE r.settled IS NOT NULL
+            UNION ALL
+            SELECT r.o, 'in_progress', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+              FROM cur r WHERE r.held AND r.status IS NULL
             UNION ALL
             SELECT p.o, 'acquired', i.token, i.attempts, i.lease_expires_at, NULL, NULL, i.first_seen, i.expires_at,
                    v_lease, NULL
@@ -283,50 +402,64 @@ BEGIN
 
         RETURN QUERY SELECT * FROM unnest(a_ord, a_outcome, a_token, a_attempt, a_lease_at, a_result, a_error,
                                           a_first, a_expires, a_left);
+    END IF;
 
-        -- Counting, as idem.claim counts (not in SERIALIZABLE; v_sample 0
-        -- turns it off): the acquisitions in idem.activity, the duplicates
-        -- as idem.count_duplicate counts them. The batch counts every one
-        -- (idem.claim counts one in v_sample, weighing it v_sample), except
-        -- per key, where each duplicate is sampled as idem.claim samples it.
-        IF v_sample > 0 AND v_iso <> 'serializable' AND a_ord IS NOT NULL THEN
-            SELECT count(*) FILTER (WHERE x.outcome = 'acquired'), count(*) FILTER (WHERE x.month IS NOT NULL)
-              INTO v_acq, v_dups
-              FROM unnest(a_outcome, a_month) x(outcome, month);
-            IF v_acq > 0 THEN
-                PERFORM idem.count_activity(claim_batch.source, v_now, v_acq, 0);
-            END IF;
-            IF v_dups > 0 AND NOT v_per_key THEN
-                PERFORM idem.count_duplicate(claim_batch.source, NULL, NULL, v_dups, false, v_now);
-            ELSIF v_dups > 0 THEN
-                PERFORM idem.count_duplicate(claim_batch.source, claim_batch.keys[x.o], x.month, v_sample, true, v_now)
-                   FROM unnest(a_ord, a_month) x(o, month)
-                  WHERE x.month IS NOT NULL AND (v_sample = 1 OR random() * v_sample < 1);
-            END IF;
+    -- Counting, as idem.claim counts (not in SERIALIZABLE; v_sample 0
+    -- turns it off): the acquisitions in idem.activity, the duplicates
+    -- (every answer read from a row, before the locks or after) as
+    -- idem.count_duplicate counts them. The batch counts every one
+    -- (idem.claim counts one in v_sample, weighing it v_sample), except per
+    -- key, where each duplicate is sampled as idem.claim samples it.
+    IF v_sample IS NULL AND f_ord IS NOT NULL THEN
+        -- Only final answers: the policy was not read under locks.
+        SELECT x.duplicate_sampling, x.count_per_key INTO v_sample, v_per_key
+          FROM (SELECT p.duplicate_sampling, p.count_per_key FROM idem.policies p WHERE p.source = claim_batch.source
+                UNION ALL
+                SELECT p.duplicate_sampling, p.count_per_key FROM idem.policies p WHERE p.source = '*'
+                 LIMIT 1) x;
+        IF NOT FOUND THEN
+            RAISE EXCEPTION USING ERRCODE = '42704',
+                MESSAGE = format('idem.claim_batch: no policy for source %L and no default policy', claim_batch.source),
+                HINT = 'Insert a row for the source, or the default row with source ''*'', into idem.policies.';
         END IF;
+    END IF;
+    IF v_sample > 0 AND v_iso <> 'serializable' AND (a_ord IS NOT NULL OR f_ord IS NOT NULL) THEN
+        SELECT count(*) FILTER (WHERE x.outcome = 'acquired'), count(*) FILTER (WHERE x.month IS NOT NULL)
+          INTO v_acq, v_dups
+          FROM unnest(a_outcome || f_outcome, a_month || f_month) x(outcome, month);
+        IF v_acq > 0 THEN
+            PERFORM idem.count_activity(claim_batch.source, v_now, v_acq, 0);
+        END IF;
+        IF v_dups > 0 AND NOT v_per_key THEN
+            PERFORM idem.count_duplicate(claim_batch.source, NULL, NULL, v_dups, false, v_now);
+        ELSIF v_dups > 0 THEN
+            PERFORM idem.count_duplicate(claim_batch.source, claim_batch.keys[x.o], x.month, v_sample, true, v_now)
+               FROM unnest(a_ord || f_ord, a_month || f_month) x(o, month)
+              WHERE x.month IS NOT NULL AND (v_sample = 1 OR random() * v_sample < 1);
+        END IF;
+    END IF;
 
-        -- The rest, by idem.claim (each key's lock is this transaction's
-        -- already).
-        IF coalesce(cardinality(a_ord), 0) < cardinality(v_locked) THEN
-            SELECT array_agg(l.o ORDER BY l.o) INTO v_slow
-              FROM unnest(v_locked) l(o) WHERE l.o <> ALL (coalesce(a_ord, '{}'));
-            FOREACH v_i IN ARRAY v_slow LOOP
-                SELECT * INTO c FROM idem.claim(claim_batch.source, claim_batch.keys[v_i], claim_batch.fingerprints[v_i],
-                                                claim_batch.ttl, claim_batch.lease, claim_batch.event_types[v_i],
-                                                greatest(v_until - clock_timestamp(), interval '0'));
-                ord := v_i; outcome := c.outcome; token := c.token; attempt := c.attempt;
-                lease_expires_at := c.lease_expires_at; result := c.result; error := c.error;
-                first_seen := c.first_seen; expires_at := c.expires_at; lease_remaining := c.lease_remaining;
-                RETURN NEXT;
-            END LOOP;
-        END IF;
+    -- The rest, by idem.claim (each key's lock is this transaction's
+    -- already).
+    IF coalesce(cardinality(a_ord), 0) < cardinality(v_locked) THEN
+        SELECT array_agg(l.o ORDER BY l.o) INTO v_slow
+          FROM unnest(v_locked) l(o) WHERE l.o <> ALL (coalesce(a_ord, '{}'));
+        FOREACH v_i IN ARRAY v_slow LOOP
+            SELECT * INTO c FROM idem.claim(claim_batch.source, claim_batch.keys[v_i], claim_batch.fingerprints[v_i],
+                                            claim_batch.ttl, claim_batch.lease, claim_batch.event_types[v_i],
+                                            greatest(v_until - clock_timestamp(), interval '0'));
+            ord := v_i; outcome := c.outcome; token := c.token; attempt := c.attempt;
+            lease_expires_at := c.lease_expires_at; result := c.result; error := c.error;
+            first_seen := c.first_seen; expires_at := c.expires_at; lease_remaining := c.lease_remaining;
+            RETURN NEXT;
+        END LOOP;
     END IF;
 
     -- A key repeated in the batch: a duplicate of its first position,
     -- answered by idem.claim after it.
-    IF cardinality(v_ords) < v_n THEN
+    IF cardinality(v_firsts) < v_n THEN
         FOR v_i IN SELECT u.o FROM generate_subscripts(claim_batch.keys, 1) u(o)
-                    WHERE u.o <> ALL (v_ords) ORDER BY u.o LOOP
+                    WHERE u.o <> ALL (v_firsts) ORDER BY u.o LOOP
             SELECT * INTO c FROM idem.claim(claim_batch.source, claim_batch.keys[v_i], claim_batch.fingerprints[v_i],
                                             claim_batch.ttl, claim_batch.lease, claim_batch.event_types[v_i],
                                             greatest(v_until - clock_timestamp(), interval '0'));

@@ -41,19 +41,26 @@ BEGIN
     v_now := idem.clock();
     v_month := idem.utc_month(v_now);
     -- idem.complete's first window (the previous, current and next month),
-    -- every item in one statement.
+    -- every item in one statement: each item's row found by its own
+    -- primary-key lookup (a lateral probe with LIMIT), then updated by its
+    -- row address, so no plan reads the source's other rows. A row changed
+    -- meanwhile has moved (its address no longer matches): that item is
+    -- idem.complete's, below.
     WITH u AS (
         UPDATE idem.processed_events e
-           SET status = 'completed', result = x.r, completed_at = v_now, updated_at = v_now,
+           SET status = 'completed', result = v.r, completed_at = v_now, updated_at = v_now,
                lease_expires_at = NULL, retryable = NULL, last_error = NULL
-          FROM (SELECT o::integer AS o, complete_batch.keys[o] AS k, complete_batch.tokens[o] AS t,
-                       complete_batch.results[o] AS r
-                  FROM generate_subscripts(complete_batch.keys, 1) o) x
-         WHERE e.source = complete_batch.source AND e.key = x.k
-           AND e.first_seen_month >= (v_month - interval '1 month')::date
-           AND e.first_seen_month <= (v_month + interval '1 month')::date
-           AND e.token = x.t AND e.status = 'processing'
-        RETURNING x.o, x.r)
+          FROM (SELECT x.o::integer AS o, x.t, x.r, f.tableoid AS rel, f.ctid AS tid
+                  FROM unnest(complete_batch.keys, complete_batch.tokens, complete_batch.results) WITH ORDINALITY x(k, t, r, o)
+                  CROSS JOIN LATERAL (
+                      SELECT y.tableoid, y.ctid FROM idem.processed_events y
+                       WHERE y.source = complete_batch.source AND y.key = x.k
+                         AND y.first_seen_month >= (v_month - interval '1 month')::date
+                         AND y.first_seen_month <= (v_month + interval '1 month')::date
+                         AND y.token = x.t AND y.status = 'processing'
+                       LIMIT 1) f) v
+         WHERE e.tableoid = v.rel AND e.ctid = v.tid AND e.token = v.t AND e.status = 'processing'
+        RETURNING v.o, v.r)
     SELECT array_agg(u.o) INTO v_done FROM u;
     RETURN QUERY SELECT d.o, 'completed'::text, complete_batch.results[d.o]::text FROM unnest(v_done) d(o);
     -- The others (a row in an older month, completed before, a stale

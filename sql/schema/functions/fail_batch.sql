@@ -35,19 +35,25 @@ BEGIN
     END IF;
     v_now := idem.clock();
     v_month := idem.utc_month(v_now);
-    -- idem.fail's first window, every item in one statement.
+    -- idem.fail's first window, every item in one statement, each item's
+    -- row found by its own primary-key lookup and updated by its row
+    -- address (see idem.complete_batch).
     WITH u AS (
         UPDATE idem.processed_events e
-           SET status = 'failed', retryable = coalesce(x.re, true),
-               last_error = left(coalesce(x.err, 'failed'), 8192), lease_expires_at = NULL, updated_at = v_now
-          FROM (SELECT o::integer AS o, fail_batch.keys[o] AS k, fail_batch.tokens[o] AS t,
-                       fail_batch.errors[o] AS err, fail_batch.retryable[o] AS re
-                  FROM generate_subscripts(fail_batch.keys, 1) o) x
-         WHERE e.source = fail_batch.source AND e.key = x.k
-           AND e.first_seen_month >= (v_month - interval '1 month')::date
-           AND e.first_seen_month <= (v_month + interval '1 month')::date
-           AND e.token = x.t AND e.status = 'processing'
-        RETURNING x.o)
+           SET status = 'failed', retryable = coalesce(v.re, true),
+               last_error = left(coalesce(v.err, 'failed'), 8192), lease_expires_at = NULL, updated_at = v_now
+          FROM (SELECT x.o::integer AS o, x.t, x.err, x.re, f.tableoid AS rel, f.ctid AS tid
+                  FROM unnest(fail_batch.keys, fail_batch.tokens, fail_batch.errors, fail_batch.retryable)
+                       WITH ORDINALITY x(k, t, err, re, o)
+                  CROSS JOIN LATERAL (
+                      SELECT y.tableoid, y.ctid FROM idem.processed_events y
+                       WHERE y.source = fail_batch.source AND y.key = x.k
+                         AND y.first_seen_month >= (v_month - interval '1 month')::date
+                         AND y.first_seen_month <= (v_month + interval '1 month')::date
+                         AND y.token = x.t AND y.status = 'processing'
+                       LIMIT 1) f) v
+         WHERE e.tableoid = v.rel AND e.ctid = v.tid AND e.token = v.t AND e.status = 'processing'
+        RETURNING v.o)
     SELECT array_agg(u.o) INTO v_done FROM u;
     RETURN QUERY SELECT d.o, 'failed'::text FROM unnest(v_done) d(o);
     IF coalesce(cardinality(v_done), 0) < v_n THEN
