@@ -47,7 +47,8 @@ const countersSQL = `SELECT (SELECT coalesce(sum(duplicates), 0) FROM idem.dupli
 // new keys, keys repeated in the batch (duplicates of their first), a
 // source with max_attempts 1 (a lost lease gives up: failed), and a source
 // whose legacy table is being adopted (adopted: completed; not there:
-// acquired). Each side runs in a transaction that is rolled back, on the
+// acquired); and the same keys as a redelivery, its first key completed
+// (answered before any lock). Each side runs in a transaction that is rolled back, on the
 // same data, with the clock pinned.
 func TestClaimBatchMatchesClaim(t *testing.T) {
 	t.Parallel()
@@ -109,6 +110,11 @@ func TestClaimBatchMatchesClaim(t *testing.T) {
 	}{
 		{"s", []string{"new1", "completed", "inflight", "lapsed", "retry", "perm", "fp", "fp", "held", "expprev", "expcur", "new1", "new2", "completed", "lapsed", "fp"},
 			[]string{"", "", "", "", "", "", "B", "A", "", "", "", "x", "", "", "", ""}},
+		// A redelivery: the first key's answer is final, so the batch reads
+		// its keys before any lock (the final answers then take none).
+		{"s", []string{"completed", "new3", "inflight", "lapsed", "retry", "perm", "fp", "fp", "held", "expprev", "expcur", "new3", "completed", "fp"},
+			[]string{"", "", "", "", "", "", "B", "A", "", "", "", "", "", "A"}},
+		{"s", []string{"perm", "fp", "inflight", "perm"}, []string{"", "B", "", ""}},
 		{"max1", []string{"lapsed1", "n"}, nil},
 		{"ad", []string{"leg1", "notleg", "leg1"}, nil},
 	}
