@@ -2,8 +2,8 @@ package migrate_test
 
 import (
 	"context"
-	"database/sql"
 	"fmt"
+	"strconv"
 	"testing"
 )
 
@@ -39,7 +39,7 @@ func TestUpgradeTo22(t *testing.T) {
 		SELECT (SELECT count(*) FROM idem.claim_batch('big', (SELECT array_agg('open-' || g || '-' || b) FROM generate_series(1, 1000) g))) FROM generate_series(1, 5) b`); err != nil {
 		t.Fatal(err)
 	}
-	for _, tbl := range partitions(t, db) {
+	for _, tbl := range queryStrings(t, ctx, db, `SELECT c.oid::regclass::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = 'idem.processed_events'::regclass`) {
 		if _, err := db.ExecContext(ctx, `ALTER TABLE `+tbl+` SET (autovacuum_enabled = false)`); err != nil {
 			t.Fatal(err)
 		}
@@ -47,18 +47,12 @@ func TestUpgradeTo22(t *testing.T) {
 	// claim claims ten keys in a batch and returns their tokens.
 	claim := func(prefix string) (keys []string, tokens []int64) {
 		t.Helper()
-		rows, err := db.QueryContext(ctx, `SELECT 'k' || ord, token FROM idem.claim_batch('big', (SELECT array_agg($1 || g) FROM generate_series(1, 10) g)) ORDER BY ord`, prefix)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer rows.Close()
-		for rows.Next() {
-			var k string
-			var tok int64
-			if err := rows.Scan(&k, &tok); err != nil {
+		for _, tok := range queryStrings(t, ctx, db, `SELECT token::text FROM idem.claim_batch('big', (SELECT array_agg($1 || g) FROM generate_series(1, 10) g)) ORDER BY ord`, prefix) {
+			n, err := strconv.ParseInt(tok, 10, 64)
+			if err != nil {
 				t.Fatal(err)
 			}
-			keys, tokens = append(keys, fmt.Sprintf("%s%d", prefix, len(keys)+1)), append(tokens, tok)
+			keys, tokens = append(keys, fmt.Sprintf("%s%d", prefix, len(keys)+1)), append(tokens, n)
 		}
 		return keys, tokens
 	}
@@ -142,25 +136,6 @@ func TestUpgradeTo22(t *testing.T) {
 	if got := batch("new-21", "done-1", "new-up"); got != "in_progress,completed,acquired" {
 		t.Fatalf("up again: %q", got)
 	}
-}
-
-// partitions names processed_events' partitions.
-func partitions(t *testing.T, db *sql.DB) []string {
-	t.Helper()
-	rows, err := db.Query(`SELECT c.oid::regclass::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = 'idem.processed_events'::regclass`)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rows.Close()
-	var out []string
-	for rows.Next() {
-		var s string
-		if err := rows.Scan(&s); err != nil {
-			t.Fatal(err)
-		}
-		out = append(out, s)
-	}
-	return out
 }
 
 // pgArrayText is keys as a PostgreSQL array literal (keys without quotes
