@@ -535,7 +535,8 @@ func TestClaimBatchLeastPrivilege(t *testing.T) {
 // transaction is answered as idem.claim answers it: InProgress once the
 // batch's lock wait has passed (0 here), or, when that transaction commits
 // its completion within the wait, Completed with its result; the other
-// keys of the batch are acquired either way.
+// keys of the batch are acquired either way; and so in a redelivered batch
+// (its first key completed), whose completed keys answer without a lock.
 func TestClaimBatchBusyKey(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -585,6 +586,26 @@ func TestClaimBatchBusyKey(t *testing.T) {
 	cls = <-done
 	if cls[0].Outcome != idem.Acquired || cls[1].Outcome != idem.Completed || string(cls[1].Result) != `"done"` || cls[2].Outcome != idem.Acquired {
 		t.Fatalf("waited: %+v %+v %+v", cls[0], cls[1], cls[2])
+	}
+
+	// A redelivery (its first key completed: read before any lock) that
+	// meets a key inside another open transaction: the completed key
+	// answers from its row, the busy one as above, the new one is acquired.
+	tx2, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx2.Rollback(ctx)
+	if cl, err := c.WithTx(tx2).Claim(ctx, "q", "busy2"); err != nil || cl.Outcome != idem.Acquired {
+		t.Fatalf("%+v %v", cl, err)
+	}
+	cls, err = c.ClaimBatch(ctx, "q", batchItems("busy", "busy2", "c1", "busy"), idem.WithLockWait(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cls[0].Outcome != idem.Completed || string(cls[0].Result) != `"done"` || cls[1].Outcome != idem.InProgress ||
+		cls[2].Outcome != idem.Acquired || cls[3].Outcome != idem.Completed {
+		t.Fatalf("redelivery: %+v %+v %+v %+v", cls[0], cls[1], cls[2], cls[3])
 	}
 }
 
