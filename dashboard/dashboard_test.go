@@ -93,6 +93,12 @@ func setup(t *testing.T) *fixture {
 		n, err := in.CountDeadLetters(ctx, inbox.Filter{})
 		return err == nil && n == 5
 	})
+	// River records a job's end after its work returns, on its own
+	// schedule (its completer): the pages read the jobs' states too.
+	waitFor(t, "their 5 jobs cancelled", func() bool {
+		counts, err := in.JobCounts(ctx, 100)
+		return err == nil && counts["cancelled"] == 5
+	})
 	if _, err := pool.Exec(ctx, `SELECT idem.snapshot_stats()`); err != nil {
 		t.Fatal(err)
 	}
