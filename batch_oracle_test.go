@@ -48,8 +48,8 @@ const countersSQL = `SELECT (SELECT coalesce(sum(duplicates), 0) FROM idem.dupli
 // source with max_attempts 1 (a lost lease gives up: failed), and a source
 // whose legacy table is being adopted (adopted: completed; not there:
 // acquired); and the same keys as a redelivery, its first key completed
-// (answered before any lock). Each side runs in a transaction that is rolled back, on the
-// same data, with the clock pinned.
+// (answered before any lock). Each side runs in a transaction that is
+// rolled back, on the same data, with the clock pinned.
 func TestClaimBatchMatchesClaim(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()

@@ -25,7 +25,6 @@ DECLARE
     v_hi       date;
     v_until    timestamptz;
     v_adopting boolean;
-    v_final    boolean;
     v_base     bigint;             -- the batch's token; each acquired key's is derived from it
     v_firsts   integer[];          -- every distinct key's first position
     v_ords     integer[];          -- the positions to lock (no final answer yet), in lock order
@@ -117,10 +116,30 @@ BEGIN
     END IF;
     v_until := clock_timestamp() + coalesce(claim_batch.lock_wait, interval '5 seconds');
 
-    -- The source's lookback, for the window of the first read. A lookback
-    -- raised meanwhile only makes that read miss a row, and a key it does
-    -- not answer is read again under its lock below.
-    SELECT max(l.lookback) INTO v_lookback FROM idem.lookbacks l WHERE l.source IN (claim_batch.source, '*');
+    -- The source's policy, and its lookback for the window of the first
+    -- read (a lookback raised meanwhile only makes that read miss a row,
+    -- and a key it does not answer is read again under its lock below,
+    -- with the lookback read again there, as idem.claim reads it).
+    SELECT x.ttl, x.lease, x.max_attempts, x.duplicate_sampling, x.count_per_key,
+           (SELECT max(l.lookback) FROM idem.lookbacks l WHERE l.source IN (claim_batch.source, '*'))
+      INTO v_ttl, v_lease, v_max, v_sample, v_per_key, v_lookback
+      FROM (SELECT p.ttl, p.lease, p.max_attempts, p.duplicate_sampling, p.count_per_key
+              FROM idem.policies p WHERE p.source = claim_batch.source
+            UNION ALL
+            SELECT p.ttl, p.lease, p.max_attempts, p.duplicate_sampling, p.count_per_key
+              FROM idem.policies p WHERE p.source = '*'
+             LIMIT 1) x;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = '42704',
+            MESSAGE = format('idem.claim_batch: no policy for source %L and no default policy', claim_batch.source),
+            HINT = 'Insert a row for the source, or the default row with source ''*'', into idem.policies.';
+    END IF;
+    v_ttl := coalesce(claim_batch.ttl, v_ttl);
+    v_lease := coalesce(claim_batch.lease, v_lease);
+    IF v_lease > v_ttl THEN
+        RAISE EXCEPTION USING ERRCODE = '22023',
+            MESSAGE = format('idem.claim_batch: lease %s is longer than ttl %s', v_lease, v_ttl);
+    END IF;
     v_now := idem.clock();
 
     -- A batch whose first key already has a final answer (completed,
@@ -131,7 +150,7 @@ BEGIN
     -- and writes nothing. Any other batch goes to its locks at once, and
     -- its keys are read there (a new key is then looked up once, by its
     -- insert). Both paths give each key the same answer.
-    SELECT true INTO v_final
+    PERFORM 1
       FROM idem.processed_events x
      WHERE x.source = claim_batch.source AND x.key = claim_batch.keys[1]
        AND x.first_seen_month >= idem.window_start(v_now, v_lookback)
@@ -241,28 +260,10 @@ BEGIN
     END LOOP;
 
     IF cardinality(v_locked) > 0 THEN
-        -- The source's policy and lookback, read under the keys' locks, as
-        -- idem.claim reads them.
-        SELECT x.ttl, x.lease, x.max_attempts, x.duplicate_sampling, x.count_per_key,
-               (SELECT max(l.lookback) FROM idem.lookbacks l WHERE l.source IN (claim_batch.source, '*'))
-          INTO v_ttl, v_lease, v_max, v_sample, v_per_key, v_lookback
-          FROM (SELECT p.ttl, p.lease, p.max_attempts, p.duplicate_sampling, p.count_per_key
-                  FROM idem.policies p WHERE p.source = claim_batch.source
-                UNION ALL
-                SELECT p.ttl, p.lease, p.max_attempts, p.duplicate_sampling, p.count_per_key
-                  FROM idem.policies p WHERE p.source = '*'
-                 LIMIT 1) x;
-        IF NOT FOUND THEN
-            RAISE EXCEPTION USING ERRCODE = '42704',
-                MESSAGE = format('idem.claim_batch: no policy for source %L and no default policy', claim_batch.source),
-                HINT = 'Insert a row for the source, or the default row with source ''*'', into idem.policies.';
-        END IF;
-        v_ttl := coalesce(claim_batch.ttl, v_ttl);
-        v_lease := coalesce(claim_batch.lease, v_lease);
-        IF v_lease > v_ttl THEN
-            RAISE EXCEPTION USING ERRCODE = '22023',
-                MESSAGE = format('idem.claim_batch: lease %s is longer than ttl %s', v_lease, v_ttl);
-        END IF;
+        -- The source's lookback, read again under the keys' locks, as
+        -- idem.claim reads it (a claim that held one of them may have
+        -- raised it).
+        SELECT max(l.lookback) INTO v_lookback FROM idem.lookbacks l WHERE l.source IN (claim_batch.source, '*');
         v_now := idem.clock();
         v_need := idem.days_at_most(greatest(v_ttl, v_lease));
         IF v_need > v_lookback THEN
@@ -410,19 +411,6 @@ BEGIN
     -- idem.count_duplicate counts them. The batch counts every one
     -- (idem.claim counts one in v_sample, weighing it v_sample), except per
     -- key, where each duplicate is sampled as idem.claim samples it.
-    IF v_sample IS NULL AND f_ord IS NOT NULL THEN
-        -- Only final answers: the policy was not read under locks.
-        SELECT x.duplicate_sampling, x.count_per_key INTO v_sample, v_per_key
-          FROM (SELECT p.duplicate_sampling, p.count_per_key FROM idem.policies p WHERE p.source = claim_batch.source
-                UNION ALL
-                SELECT p.duplicate_sampling, p.count_per_key FROM idem.policies p WHERE p.source = '*'
-                 LIMIT 1) x;
-        IF NOT FOUND THEN
-            RAISE EXCEPTION USING ERRCODE = '42704',
-                MESSAGE = format('idem.claim_batch: no policy for source %L and no default policy', claim_batch.source),
-                HINT = 'Insert a row for the source, or the default row with source ''*'', into idem.policies.';
-        END IF;
-    END IF;
     IF v_sample > 0 AND v_iso <> 'serializable' AND (a_ord IS NOT NULL OR f_ord IS NOT NULL) THEN
         SELECT count(*) FILTER (WHERE x.outcome = 'acquired'), count(*) FILTER (WHERE x.month IS NOT NULL)
           INTO v_acq, v_dups
