@@ -49,7 +49,8 @@ const countersSQL = `SELECT (SELECT coalesce(sum(duplicates), 0) FROM idem.dupli
 // whose legacy table is being adopted (adopted: completed; not there:
 // acquired); and the same keys as a redelivery, its first key completed
 // (answered before any lock). Each side runs in a transaction that is
-// rolled back, on the same data, with the clock pinned.
+// rolled back, on the same data, with the clock pinned, in a session with
+// DateStyle 'SQL, DMY' and TimeZone Pacific/Chatham.
 func TestClaimBatchMatchesClaim(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -59,6 +60,11 @@ func TestClaimBatchMatchesClaim(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Close(ctx)
+	// A session far from ISO and UTC: the window, the months and the clock
+	// arithmetic must not depend on it.
+	if _, err := conn.Exec(ctx, `SET DateStyle = 'SQL, DMY'; SET TimeZone = 'Pacific/Chatham'`); err != nil {
+		t.Fatal(err)
+	}
 	boundary := testdb.MonthStart(time.Now(), 0)
 	seedAt, evalAt := boundary.Add(-time.Hour), boundary.Add(30*time.Minute)
 	at := func(ts time.Time) {
