@@ -440,8 +440,8 @@ func TestClaimBatchCacheAndObserver(t *testing.T) {
 	// A batch of duplicates answered by the database fills the cache; the
 	// next is answered by it (tried until the listener is heard from: on a
 	// loaded machine its self-test can time out, and then the client polls
-	// for a minute before it listens again).
-	for deadline := time.Now().Add(90 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+	// for a minute before it listens again: two such minutes fit).
+	for deadline := time.Now().Add(150 * time.Second); ; time.Sleep(20 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			t.Fatal("the cache never answered a batch")
 		}

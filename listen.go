@@ -28,7 +28,7 @@ const ListenerApplicationName = "idem listener"
 // Listener timings.
 const (
 	listenIdle    = 10 * time.Second // the connection closes this long after the last waiter left
-	listenProbe   = 2 * time.Second  // how long the self-test waits for its own notification
+	listenProbe   = 5 * time.Second  // how long the self-test waits for its own notification (2 s timed out on a loaded server)
 	listenBackoff = time.Minute      // after a failed start, poll only for this long
 )
 

@@ -128,10 +128,10 @@ func TestWaitForOriginal(t *testing.T) {
 				t.Logf("%s: the duplicates' answers after the original's work ended: p50 %v, p99 %v, max %v",
 					tc.name, lags[len(lags)/2], lags[len(lags)*99/100], lags[len(lags)-1])
 			}
-			// Behind PgBouncer the self-test gives up after 2 s (meanwhile
+			// Behind PgBouncer the self-test gives up after 5 s (meanwhile
 			// the waiters already poll): wait for its verdict.
 			polled := false
-			for deadline := time.Now().Add(5 * time.Second); tc.bouncer && !polled && time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+			for deadline := time.Now().Add(10 * time.Second); tc.bouncer && !polled && time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
 				polled = strings.Contains(logs.String(), "waiting duplicates poll instead of listening")
 			}
 			polled = strings.Contains(logs.String(), "waiting duplicates poll instead of listening")
