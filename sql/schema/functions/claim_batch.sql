@@ -40,17 +40,13 @@ DECLARE
     v_acq      integer := 0;
     v_dups     integer := 0;
     c          record;
-    -- The answers of the set-based statements, one element per position:
-    -- final answers read before any lock (f_), and the locked keys' (a_).
+    kr         record;             -- a key read before the locks
+    v_nfirst   integer;            -- the distinct keys
+    v_open     integer[] := '{}';  -- read before the locks: the positions without a final answer
+    v_weight   integer;
+    -- Per key counting: the positions and months of the answers read
+    -- before any lock (f_); the locked keys' answers (a_).
     f_ord      integer[];
-    f_outcome  text[];
-    f_attempt  integer[];
-    f_lease_at timestamptz[];
-    f_result   jsonb[];
-    f_error    text[];
-    f_first    timestamptz[];
-    f_expires  timestamptz[];
-    f_left     interval[];
     f_month    date[];
     a_ord      integer[];
     a_outcome  text[];
@@ -80,10 +76,9 @@ BEGIN
            OR array_lower(claim_batch.fingerprints, 1) <> 1 OR cardinality(claim_batch.fingerprints) <> v_n))
        OR (claim_batch.event_types IS NOT NULL AND (array_ndims(claim_batch.event_types) <> 1
            OR array_lower(claim_batch.event_types, 1) <> 1 OR cardinality(claim_batch.event_types) <> v_n))
-       OR EXISTS (SELECT 1 FROM unnest(claim_batch.keys) k
-                   WHERE k IS NULL OR octet_length(k) NOT BETWEEN 1 AND 512 OR btrim(k, E' \t\r\n') = '')
-       OR EXISTS (SELECT 1 FROM unnest(claim_batch.fingerprints) f WHERE octet_length(f) > 512)
-       OR EXISTS (SELECT 1 FROM unnest(claim_batch.event_types) t WHERE octet_length(t) > 256)
+       OR EXISTS (SELECT 1 FROM unnest(claim_batch.keys, claim_batch.fingerprints, claim_batch.event_types) x(k, f, t)
+                   WHERE x.k IS NULL OR octet_length(x.k) NOT BETWEEN 1 AND 512 OR btrim(x.k, E' \t\r\n') = ''
+                      OR octet_length(x.f) > 512 OR octet_length(x.t) > 256)
        OR (claim_batch.ttl IS NOT NULL AND NOT idem.valid_ttl(claim_batch.ttl))
        OR (claim_batch.lease IS NOT NULL AND NOT idem.valid_lease(claim_batch.lease))
        OR (claim_batch.lock_wait IS NOT NULL AND NOT (claim_batch.lock_wait >= interval '0' AND claim_batch.lock_wait <= interval '1 hour')) THEN
@@ -141,6 +136,11 @@ BEGIN
             MESSAGE = format('idem.claim_batch: lease %s is longer than ttl %s', v_lease, v_ttl);
     END IF;
     v_now := idem.clock();
+    -- The window of the first read: the oldest month that can hold a live
+    -- row of the source to the month of tomorrow. Computed once here: in a
+    -- probe's condition it would be computed again for every key.
+    v_lo := idem.window_start(v_now, v_lookback);
+    v_hi := idem.utc_month(v_now + interval '1 day');
 
     -- A batch whose first key already has a final answer (completed,
     -- failed for good, a mismatch, a live lease) is most likely a
@@ -153,8 +153,7 @@ BEGIN
     PERFORM 1
       FROM idem.processed_events x
      WHERE x.source = claim_batch.source AND x.key = claim_batch.keys[1]
-       AND x.first_seen_month >= idem.window_start(v_now, v_lookback)
-       AND x.first_seen_month <= idem.utc_month(v_now + interval '1 day')
+       AND x.first_seen_month >= v_lo AND x.first_seen_month <= v_hi
        AND x.expires_at > v_now
        AND idem.settled_outcome(x.status, x.retryable, x.lease_expires_at, x.fingerprint,
                                 claim_batch.fingerprints[1], v_now) IS NOT NULL
@@ -167,47 +166,61 @@ BEGIN
           FROM (SELECT min(u.o)::integer AS o, hashtext(claim_batch.source || chr(31) || u.k) AS h
                   FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o)
                  GROUP BY u.k) d;
+        v_nfirst := cardinality(v_firsts);
     ELSE
-        -- One statement: each distinct key (at its first position) and its
-        -- live row in the window, probed by its own index lookup (a lateral
-        -- probe: `key = ANY(...)` under a generic plan filters every row of
-        -- the source); the keys without a final answer in the global lock
-        -- order (by the lock's key, then position).
-        SELECT array_agg(d.o),
-               array_agg(d.o ORDER BY d.h, d.o) FILTER (WHERE d.settled IS NULL),
-               array_agg(d.h ORDER BY d.h, d.o) FILTER (WHERE d.settled IS NULL),
-               array_agg(d.o) FILTER (WHERE d.settled IS NOT NULL),
-               array_agg(d.settled) FILTER (WHERE d.settled IS NOT NULL),
-               array_agg(d.attempts) FILTER (WHERE d.settled IS NOT NULL),
-               array_agg(CASE WHEN d.settled IN ('in_progress', 'mismatch') THEN d.lease_expires_at END) FILTER (WHERE d.settled IS NOT NULL),
-               array_agg(CASE WHEN d.settled = 'completed' THEN d.result END) FILTER (WHERE d.settled IS NOT NULL),
-               array_agg(CASE WHEN d.settled IN ('failed', 'completed') THEN d.last_error END) FILTER (WHERE d.settled IS NOT NULL),
-               array_agg(d.first_seen) FILTER (WHERE d.settled IS NOT NULL),
-               array_agg(d.expires_at) FILTER (WHERE d.settled IS NOT NULL),
-               array_agg(CASE WHEN d.settled = 'in_progress' THEN greatest(d.lease_expires_at - v_now, interval '0') END) FILTER (WHERE d.settled IS NOT NULL),
-               array_agg(d.first_seen_month) FILTER (WHERE d.settled IS NOT NULL)
-          INTO v_firsts, v_ords, v_hashes,
-               f_ord, f_outcome, f_attempt, f_lease_at, f_result, f_error, f_first, f_expires, f_left, f_month
-          FROM (SELECT g.o, g.h, e.*,
-                       idem.settled_outcome(e.status, e.retryable, e.lease_expires_at, e.fingerprint,
-                                            claim_batch.fingerprints[g.o], v_now) AS settled
-                  FROM (SELECT min(u.o)::integer AS o, hashtext(claim_batch.source || chr(31) || u.k) AS h, u.k
-                          FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o)
-                         GROUP BY u.k) g
-                  LEFT JOIN LATERAL (
-                      SELECT x.first_seen_month, x.status, x.attempts, x.lease_expires_at, x.fingerprint, x.result,
-                             x.last_error, x.retryable, x.first_seen, x.expires_at
-                        FROM idem.processed_events x
-                       WHERE x.source = claim_batch.source AND x.key = g.k
-                         AND x.first_seen_month >= idem.window_start(v_now, v_lookback)
-                         AND x.first_seen_month <= idem.utc_month(v_now + interval '1 day')
-                         AND x.expires_at > v_now
-                       LIMIT 1) e ON true) d;
-    END IF;
-    IF f_ord IS NOT NULL THEN
-        RETURN QUERY SELECT x.o, x.outcome, NULL::bigint, x.attempt, x.lease_at, x.result, x.error, x.first, x.expires, x.left_
-                       FROM unnest(f_ord, f_outcome, f_attempt, f_lease_at, f_result, f_error, f_first, f_expires, f_left)
-                            x(o, outcome, attempt, lease_at, result, error, first, expires, left_);
+        -- Each distinct key (at its first position) and its live row in
+        -- the window, probed by its own index lookup (a lateral probe:
+        -- `key = ANY(...)` under a generic plan filters every row of the
+        -- source). A final answer is returned as it is read; the other keys
+        -- are kept for their locks.
+        v_nfirst := 0;
+        FOR kr IN
+            SELECT g.o, e.first_seen_month AS month, e.attempts, e.lease_expires_at, e.result, e.last_error,
+                   e.first_seen, e.expires_at,
+                   idem.settled_outcome(e.status, e.retryable, e.lease_expires_at, e.fingerprint,
+                                        claim_batch.fingerprints[g.o], v_now) AS settled
+              FROM (SELECT min(u.o)::integer AS o, u.k
+                      FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o)
+                     GROUP BY u.k) g
+              LEFT JOIN LATERAL (
+                  SELECT x.first_seen_month, x.status, x.attempts, x.lease_expires_at, x.fingerprint, x.result,
+                         x.last_error, x.retryable, x.first_seen, x.expires_at
+                    FROM idem.processed_events x
+                   WHERE x.source = claim_batch.source AND x.key = g.k
+                     AND x.first_seen_month >= v_lo AND x.first_seen_month <= v_hi
+                     AND x.expires_at > v_now
+                   LIMIT 1) e ON true
+        LOOP
+            v_nfirst := v_nfirst + 1;
+            IF kr.settled IS NULL THEN
+                v_open := v_open || kr.o;
+                CONTINUE;
+            END IF;
+            ord := kr.o; outcome := kr.settled; token := NULL; attempt := kr.attempts;
+            lease_expires_at := CASE WHEN kr.settled IN ('in_progress', 'mismatch') THEN kr.lease_expires_at END;
+            result := CASE WHEN kr.settled = 'completed' THEN kr.result END;
+            error := CASE WHEN kr.settled IN ('failed', 'completed') THEN kr.last_error END;
+            first_seen := kr.first_seen; expires_at := kr.expires_at;
+            lease_remaining := CASE WHEN kr.settled = 'in_progress' THEN greatest(kr.lease_expires_at - v_now, interval '0') END;
+            RETURN NEXT;
+            -- Every answer read from a row is a duplicate (counted below).
+            v_dups := v_dups + 1;
+            IF v_per_key THEN
+                f_ord := f_ord || kr.o;
+                f_month := f_month || kr.month;
+            END IF;
+        END LOOP;
+        -- The keys without a final answer in the global lock order (by
+        -- the lock's key, then position).
+        IF cardinality(v_open) > 0 THEN
+            SELECT array_agg(u.o ORDER BY u.h, u.o), array_agg(u.h ORDER BY u.h, u.o) INTO v_ords, v_hashes
+              FROM (SELECT l.o, hashtext(claim_batch.source || chr(31) || claim_batch.keys[l.o]) AS h
+                      FROM unnest(v_open) l(o)) u;
+        END IF;
+        IF v_nfirst < v_n THEN
+            SELECT array_agg(g.o) INTO v_firsts
+              FROM (SELECT min(u.o)::integer AS o FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o) GROUP BY u.k) g;
+        END IF;
     END IF;
 
     -- Each remaining key's lock in that order, as idem.claim takes it: one
@@ -406,20 +419,28 @@ BEGIN
     END IF;
 
     -- Counting, as idem.claim counts (not in SERIALIZABLE; v_sample 0
-    -- turns it off): the acquisitions in idem.activity, the duplicates
-    -- (every answer read from a row, before the locks or after) as
-    -- idem.count_duplicate counts them. The batch counts every one
-    -- (idem.claim counts one in v_sample, weighing it v_sample), except per
-    -- key, where each duplicate is sampled as idem.claim samples it.
-    IF v_sample > 0 AND v_iso <> 'serializable' AND (a_ord IS NOT NULL OR f_ord IS NOT NULL) THEN
-        SELECT count(*) FILTER (WHERE x.outcome = 'acquired'), count(*) FILTER (WHERE x.month IS NOT NULL)
-          INTO v_acq, v_dups
-          FROM unnest(a_outcome || f_outcome, a_month || f_month) x(outcome, month);
+    -- turns it off): the acquisitions in idem.activity, every one; the
+    -- duplicates (every answer read from a row, before the locks or after)
+    -- as idem.count_duplicate counts them, the batch weighed as one claim
+    -- (idem.claim_weight): all of them while the source's claims this
+    -- minute are below idem.exact_counting_rate(), above it one batch in
+    -- v_sample, as v_sample times as many. A redelivered batch then mostly
+    -- writes nothing, as a duplicate claim mostly writes nothing. Per key,
+    -- each duplicate is sampled as idem.claim samples it.
+    IF v_sample > 0 AND v_iso <> 'serializable' THEN
+        IF a_ord IS NOT NULL THEN
+            SELECT v_dups + count(*) FILTER (WHERE x.month IS NOT NULL), count(*) FILTER (WHERE x.outcome = 'acquired')
+              INTO v_dups, v_acq
+              FROM unnest(a_outcome, a_month) x(outcome, month);
+        END IF;
         IF v_acq > 0 THEN
             PERFORM idem.count_activity(claim_batch.source, v_now, v_acq, 0);
         END IF;
         IF v_dups > 0 AND NOT v_per_key THEN
-            PERFORM idem.count_duplicate(claim_batch.source, NULL, NULL, v_dups, false, v_now);
+            v_weight := idem.claim_weight(claim_batch.source, v_sample, v_now);
+            IF v_weight > 0 THEN
+                PERFORM idem.count_duplicate(claim_batch.source, NULL, NULL, v_dups * v_weight, false, v_now);
+            END IF;
         ELSIF v_dups > 0 THEN
             PERFORM idem.count_duplicate(claim_batch.source, claim_batch.keys[x.o], x.month, v_sample, true, v_now)
                FROM unnest(a_ord || f_ord, a_month || f_month) x(o, month)
@@ -445,7 +466,7 @@ BEGIN
 
     -- A key repeated in the batch: a duplicate of its first position,
     -- answered by idem.claim after it.
-    IF cardinality(v_firsts) < v_n THEN
+    IF v_nfirst < v_n THEN
         FOR v_i IN SELECT u.o FROM generate_subscripts(claim_batch.keys, 1) u(o)
                     WHERE u.o <> ALL (v_firsts) ORDER BY u.o LOOP
             SELECT * INTO c FROM idem.claim(claim_batch.source, claim_batch.keys[v_i], claim_batch.fingerprints[v_i],
