@@ -41,24 +41,14 @@ DECLARE
     v_dups     integer := 0;
     c          record;
     kr         record;             -- a key read before the locks
+    ar         record;             -- a locked key's answer
     v_nfirst   integer;            -- the distinct keys
     v_open     integer[] := '{}';  -- read before the locks: the positions without a final answer
     v_weight   integer;
-    -- Per key counting: the positions and months of the answers read
-    -- before any lock (f_); the locked keys' answers (a_).
+    a_ord      integer[] := '{}';  -- the locked keys answered by the set-based statement
+    -- The duplicates' positions and months, for per-key counting.
     f_ord      integer[];
     f_month    date[];
-    a_ord      integer[];
-    a_outcome  text[];
-    a_token    bigint[];
-    a_attempt  integer[];
-    a_lease_at timestamptz[];
-    a_result   jsonb[];
-    a_error    text[];
-    a_first    timestamptz[];
-    a_expires  timestamptz[];
-    a_left     interval[];
-    a_month    date[];
 BEGIN
     IF v_iso = 'repeatable read' THEN
         RAISE EXCEPTION USING ERRCODE = '0A000',
@@ -332,7 +322,9 @@ BEGIN
         --   a held key without one is in_progress.
         -- What is left (a lost lease or a retryable failure to take over,
         -- an expired row in the current month, a key while its source's
-        -- legacy table is adopted) is idem.claim's, below.
+        -- legacy table is adopted) is idem.claim's, below. Each answer is
+        -- returned as the statement yields it.
+        FOR ar IN
         WITH p AS MATERIALIZED (
             SELECT l.o, claim_batch.keys[l.o] AS k, e.*,
                    CASE WHEN e.status IS NULL AND NOT v_adopting THEN h.held IS NOT NULL END AS held,
@@ -408,14 +400,26 @@ BEGIN
             SELECT p.o, 'acquired', i.token, i.attempts, i.lease_expires_at, NULL, NULL, i.first_seen, i.expires_at,
                    v_lease, NULL
               FROM ins i JOIN p ON p.k = i.key)
-        SELECT array_agg(a.o), array_agg(a.outcome), array_agg(a.token), array_agg(a.attempts), array_agg(a.lease_at),
-               array_agg(a.result), array_agg(a.error), array_agg(a.first_seen), array_agg(a.expires_at),
-               array_agg(a.left_), array_agg(a.month)
-          INTO a_ord, a_outcome, a_token, a_attempt, a_lease_at, a_result, a_error, a_first, a_expires, a_left, a_month
-          FROM a;
-
-        RETURN QUERY SELECT * FROM unnest(a_ord, a_outcome, a_token, a_attempt, a_lease_at, a_result, a_error,
-                                          a_first, a_expires, a_left);
+        SELECT a.o, a.outcome, a.token, a.attempts, a.lease_at, a.result, a.error, a.first_seen, a.expires_at,
+               a.left_, a.month
+          FROM a
+        LOOP
+            ord := ar.o; outcome := ar.outcome; token := ar.token; attempt := ar.attempts;
+            lease_expires_at := ar.lease_at; result := ar.result; error := ar.error;
+            first_seen := ar.first_seen; expires_at := ar.expires_at; lease_remaining := ar.left_;
+            RETURN NEXT;
+            a_ord := a_ord || ar.o;
+            IF ar.outcome = 'acquired' THEN
+                v_acq := v_acq + 1;
+            ELSIF ar.month IS NOT NULL THEN
+                -- An answer read from a row: a duplicate (counted below).
+                v_dups := v_dups + 1;
+                IF v_per_key THEN
+                    f_ord := f_ord || ar.o;
+                    f_month := f_month || ar.month;
+                END IF;
+            END IF;
+        END LOOP;
     END IF;
 
     -- Counting, as idem.claim counts (not in SERIALIZABLE; v_sample 0
@@ -428,11 +432,6 @@ BEGIN
     -- writes nothing, as a duplicate claim mostly writes nothing. Per key,
     -- each duplicate is sampled as idem.claim samples it.
     IF v_sample > 0 AND v_iso <> 'serializable' THEN
-        IF a_ord IS NOT NULL THEN
-            SELECT v_dups + count(*) FILTER (WHERE x.month IS NOT NULL), count(*) FILTER (WHERE x.outcome = 'acquired')
-              INTO v_dups, v_acq
-              FROM unnest(a_outcome, a_month) x(outcome, month);
-        END IF;
         IF v_acq > 0 THEN
             PERFORM idem.count_activity(claim_batch.source, v_now, v_acq, 0);
         END IF;
@@ -443,8 +442,8 @@ BEGIN
             END IF;
         ELSIF v_dups > 0 THEN
             PERFORM idem.count_duplicate(claim_batch.source, claim_batch.keys[x.o], x.month, v_sample, true, v_now)
-               FROM unnest(a_ord || f_ord, a_month || f_month) x(o, month)
-              WHERE x.month IS NOT NULL AND (v_sample = 1 OR random() * v_sample < 1);
+               FROM unnest(f_ord, f_month) x(o, month)
+              WHERE v_sample = 1 OR random() * v_sample < 1;
         END IF;
     END IF;
 
