@@ -513,6 +513,25 @@ func TestClaimBatchLeastPrivilege(t *testing.T) {
 		cls[0].Outcome != idem.Mismatch || cls[1].Outcome != idem.Acquired {
 		t.Fatalf("again: %+v %v", cls, err)
 	}
+	// Redelivered batches of a busy source (above the exact-counting rate):
+	// their duplicates weighed as one claim's (idem.claim_weight, then
+	// idem.count_duplicate one time in 8), with the look-alikes planted.
+	// (The superuser's own statement runs with pg_catalog first, or the
+	// look-alikes planted in public would fire as it.)
+	if err := pgx.BeginFunc(ctx, admin, func(tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, `SET LOCAL search_path = pg_catalog, pg_temp;
+			INSERT INTO idem.activity (minute, source, slot, acquired, duplicates)
+			SELECT idem.activity_minute(now() + m * interval '1 minute'), 's', 0, 100000, 0 FROM generate_series(0, 1) m`)
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 24; i++ {
+		if cls, err := c.ClaimBatch(ctx, "s", []idem.BatchItem{{Key: "a", Fingerprint: "f"}, {Key: "a", Fingerprint: "f"}}); err != nil ||
+			cls[0].Outcome != idem.Completed || cls[1].Outcome != idem.Completed {
+			t.Fatalf("redelivered, %d: %+v %v", i, cls, err)
+		}
+	}
 	// The app's own statements may run its own look-alikes (as itself:
 	// no privilege gained); none may run as anyone else, as idem's
 	// functions, which run as idem's owner, would run them.
