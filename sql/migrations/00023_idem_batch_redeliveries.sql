@@ -451,8 +451,9 @@ BEGIN
     -- duplicates (every answer read from a row, before the locks or after)
     -- as idem.count_duplicate counts them, the batch weighed as one claim
     -- (idem.claim_weight): all of them while the source's claims this
-    -- minute are below idem.exact_counting_rate(), above it one batch in
-    -- v_sample, as v_sample times as many. A redelivered batch then mostly
+    -- minute are below idem.exact_counting_rate(); above it 1 batch in
+    -- v_sample counts all of its duplicates, each as v_sample, and the
+    -- others count none. A redelivered batch then mostly
     -- writes nothing, as a duplicate claim mostly writes nothing. Per key,
     -- each duplicate is sampled as idem.claim samples it.
     IF v_sample > 0 AND v_iso <> 'serializable' THEN
