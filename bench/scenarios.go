@@ -17,8 +17,11 @@ import (
 
 var keySeq atomic.Int64
 
+// newKey returns a key no other call of this process returns: its sequence
+// number and a random suffix, separated (without the "-", sequence 1 with
+// suffix "ab" and sequence 46 ("1a") with suffix "b" would be one key).
 func newKey() string {
-	return "k" + strconv.FormatInt(keySeq.Add(1), 36) + strconv.FormatUint(rand.Uint64()%1e6, 36)
+	return "k" + strconv.FormatInt(keySeq.Add(1), 36) + "-" + strconv.FormatUint(rand.Uint64()%1e6, 36)
 }
 
 const rawInsert = `INSERT INTO bench_raw (source, key, first_seen_month, status, token, lease_expires_at, first_seen, updated_at, expires_at)
