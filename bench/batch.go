@@ -33,6 +33,17 @@ import (
 
 const batchDupKeys = 20000
 
+// batchSeed (a format of batchDupKeys) makes the hand-written batch
+// pattern's table and the duplicates: batchDupKeys keys completed before
+// the run, in it and in idem.processed_events (source "batch").
+const batchSeed = `
+		CREATE TABLE hw_batch (key text PRIMARY KEY, status text NOT NULL, result jsonb, at timestamptz NOT NULL DEFAULT now());
+		INSERT INTO hw_batch (key, status, result) SELECT 'dup-' || g, 'completed', '{"ok": true}' FROM generate_series(1, %[1]d) g;
+		INSERT INTO idem.processed_events (source, key, first_seen_month, status, token, result, first_seen, updated_at, completed_at, expires_at)
+		SELECT 'batch', 'dup-' || g, idem.utc_month(now()), 'completed', idem.new_token(), '{"ok": true}', now(), now(), now(), now() + interval '30 days'
+		  FROM generate_series(1, %[1]d) g;
+		ANALYZE hw_batch; ANALYZE idem.processed_events;`
+
 var batchSizes = []int{1, 10, 100, 1000}
 
 func benchBatch(ctx context.Context, e *env, o options, t *v2table) error {
@@ -65,55 +76,24 @@ func benchBatchOn(ctx context.Context, s server, o options, t *v2table) error {
 		return err
 	}
 	defer pool.Close()
-	if _, err := pool.Exec(ctx, fmt.Sprintf(`
+	if _, err := pool.Exec(ctx, fmt.Sprintf(batchSeed+`
 		CREATE TABLE batch_raw (LIKE idem.processed_events INCLUDING DEFAULTS, PRIMARY KEY (source, key));
 		CREATE INDEX ON batch_raw (expires_at);
-		CREATE TABLE hw_batch (key text PRIMARY KEY, status text NOT NULL, result jsonb, at timestamptz NOT NULL DEFAULT now());
-		INSERT INTO hw_batch (key, status, result) SELECT 'dup-' || g, 'completed', '{"ok": true}' FROM generate_series(1, %[1]d) g;
 		-- The per-message pattern's table (handWritten, the e2e section's).
 		CREATE TABLE hw_events (key text PRIMARY KEY, status text NOT NULL, result jsonb, at timestamptz NOT NULL DEFAULT now());
 		INSERT INTO hw_events (key, status, result) SELECT 'dup-' || g, 'completed', '{"ok": true}' FROM generate_series(1, %[1]d) g;
 		INSERT INTO batch_raw (source, key, first_seen_month, status, token, first_seen, updated_at, expires_at, result)
 		SELECT 'batch', 'dup-' || g, idem.utc_month(now()), 'completed', g, now(), now(), now() + interval '30 days', '{"ok": true}'
 		  FROM generate_series(1, %[1]d) g;
-		INSERT INTO idem.processed_events (source, key, first_seen_month, status, token, result, first_seen, updated_at, completed_at, expires_at)
-		SELECT 'batch', 'dup-' || g, idem.utc_month(now()), 'completed', idem.new_token(), '{"ok": true}', now(), now(), now(), now() + interval '30 days'
-		  FROM generate_series(1, %[1]d) g;
-		ANALYZE hw_batch; ANALYZE hw_events; ANALYZE batch_raw; ANALYZE idem.processed_events`, batchDupKeys)); err != nil {
+		ANALYZE hw_events; ANALYZE batch_raw`, batchDupKeys)); err != nil {
 		return err
 	}
 	c, err := idem.New(pool, nil)
 	if err != nil {
 		return err
 	}
-	result := json.RawMessage(`{"ok": true}`)
-	keysOf := func(n int, dup bool) []string {
-		ks := make([]string, n)
-		if !dup {
-			for i := range ks {
-				ks[i] = newKey()
-			}
-			return ks
-		}
-		for i, j := range distinct(n, batchDupKeys) {
-			ks[i] = "dup-" + strconv.Itoa(j+1)
-		}
-		return ks
-	}
-	itemsOf := func(ks []string) []idem.BatchItem {
-		items := make([]idem.BatchItem, len(ks))
-		for i, k := range ks {
-			items[i].Key = k
-		}
-		return items
-	}
-	work := func(_ context.Context, acquired []*idem.Claim) ([]idem.WorkResult, error) {
-		out := make([]idem.WorkResult, len(acquired))
-		for i := range out {
-			out[i].Value = result
-		}
-		return out, nil
-	}
+	result := batchResult
+	keysOf, itemsOf, work := batchKeys, batchItems, batchWork
 	keysName := map[bool]string{false: "new keys", true: "duplicates"}
 
 	for _, clients := range o.clients {
@@ -246,6 +226,42 @@ func benchBatchOn(ctx context.Context, s server, o options, t *v2table) error {
 		}
 	}
 	return nil
+}
+
+// batchResult is every acquired key's result.
+var batchResult = json.RawMessage(`{"ok": true}`)
+
+// batchKeys returns n new keys, or n distinct keys of the duplicates
+// (batchSeed's), drawn at random.
+func batchKeys(n int, dup bool) []string {
+	ks := make([]string, n)
+	if !dup {
+		for i := range ks {
+			ks[i] = newKey()
+		}
+		return ks
+	}
+	for i, j := range distinct(n, batchDupKeys) {
+		ks[i] = "dup-" + strconv.Itoa(j+1)
+	}
+	return ks
+}
+
+func batchItems(ks []string) []idem.BatchItem {
+	items := make([]idem.BatchItem, len(ks))
+	for i, k := range ks {
+		items[i].Key = k
+	}
+	return items
+}
+
+// batchWork is DoBatch's work in the bench: nothing, batchResult for each.
+func batchWork(_ context.Context, acquired []*idem.Claim) ([]idem.WorkResult, error) {
+	out := make([]idem.WorkResult, len(acquired))
+	for i := range out {
+		out[i].Value = batchResult
+	}
+	return out, nil
 }
 
 // distinct draws n distinct integers from [0, max) in random order, in

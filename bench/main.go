@@ -56,7 +56,7 @@ func main() {
 	flag.IntVar(&o.rounds, "rounds", 0, "interleaved rounds per comparison (default 3, full 5)")
 	flag.DurationVar(&o.duration, "duration", 0, "length of one side of one round (default 2s, full 5s)")
 	flag.StringVar(&o.out, "out", "bench/results.md", "write the markdown table here too")
-	flag.StringVar(&o.only, "only", "", "run only the sections whose name contains this (claim, dup, complete, lib, maint, retention, scale, inbox, wait, cache, otel, adopt, plans, dashboard, e2e, batch)")
+	flag.StringVar(&o.only, "only", "", "run only the sections whose name contains this (claim, dup, complete, lib, maint, retention, scale, inbox, wait, cache, otel, adopt, plans, dashboard, e2e, batch; ceiling runs only when named)")
 	flag.Func("batch-sizes", "the batch section's batch sizes, comma-separated (default 1,10,100,1000)", func(v string) error {
 		var sizes []int
 		for _, f := range strings.Split(v, ",") {
@@ -171,6 +171,7 @@ func run(ctx context.Context, o options) error {
 	claims := &v2table{}
 	e2e := &v2table{title: "End to end, through the Go API (median ratio of interleaved rounds, spread min..max)"}
 	batch := &v2table{title: "Batch claims: keys per second (median ratio of interleaved rounds, spread min..max)"}
+	ceiling := &v2table{title: "Batch ceilings: DoBatch with the protocol functions reduced to the least that answers (experiments, never migrations; median ratio of interleaved rounds, spread min..max)"}
 	sections := []struct {
 		name string
 		fn   func(context.Context, *env, options, *table) error
@@ -191,9 +192,11 @@ func run(ctx context.Context, o options) error {
 		{"dashboard", benchDashboard},
 		{"e2e", func(ctx context.Context, e *env, o options, _ *table) error { return benchE2E(ctx, e, o, e2e) }},
 		{"batch", func(ctx context.Context, e *env, o options, _ *table) error { return benchBatch(ctx, e, o, batch) }},
+		// Opt-in: -only ceiling.
+		{"ceiling", func(ctx context.Context, e *env, o options, _ *table) error { return benchCeiling(ctx, e, o, ceiling) }},
 	}
 	for _, s := range sections {
-		if o.only != "" && !strings.Contains(s.name, o.only) {
+		if o.only != "" && !strings.Contains(s.name, o.only) || o.only == "" && s.name == "ceiling" {
 			continue
 		}
 		fmt.Fprintf(os.Stderr, "bench: %s...\n", s.name)
@@ -215,6 +218,7 @@ func run(ctx context.Context, o options) error {
 	claims.write(&w)
 	e2e.write(&w)
 	batch.write(&w)
+	ceiling.write(&w)
 	if len(waitNotes) > 0 {
 		fmt.Fprintf(&w, "## What the statements wait on (pg_stat_activity sampled every 5 ms; CPU: no wait event)\n\n%s\n\n", strings.Join(waitNotes, "\n"))
 	}
