@@ -29,7 +29,8 @@ type RepairReport struct {
 // attempt that lost the key), when another River client's leader discards
 // a kind it has no worker for, or when a job row is deleted by hand.
 func orphanQuery(schema string, limit bool) string {
-	q := `SELECT h.source, h.key, h.token, coalesce(h.job_id, 0), j.id IS NOT NULL, coalesce(j.args, '{}'::jsonb)
+	q := `SELECT h.source, h.key, h.token, coalesce(h.job_id, 0), j.id IS NOT NULL, coalesce(j.args, '{}'::jsonb),
+	             coalesce(j.metadata, '{}'::jsonb)
 	        FROM idem.holds h
 	        LEFT JOIN ` + riverTable(schema, "river_job") + ` j ON j.id = h.job_id
 	       WHERE h.state = 'queued' AND (j.id IS NULL OR j.state IN ('completed', 'discarded', 'cancelled'))
@@ -67,11 +68,11 @@ func (in *Inbox) Repair(ctx context.Context) (RepairReport, error) {
 		source, key string
 		token, job  int64
 		exists      bool
-		args        []byte
+		args, meta  []byte
 	}
 	found, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (orphan, error) {
 		var o orphan
-		err := r.Scan(&o.source, &o.key, &o.token, &o.job, &o.exists, &o.args)
+		err := r.Scan(&o.source, &o.key, &o.token, &o.job, &o.exists, &o.args, &o.meta)
 		return o, err
 	})
 	if err != nil {
@@ -86,6 +87,10 @@ func (in *Inbox) Repair(ctx context.Context) (RepairReport, error) {
 				if err := json.Unmarshal(o.args, &j); err != nil {
 					return fmt.Errorf("job %d: %w", o.job, err)
 				}
+				// The trace context of the request that accepted the event
+				// is in the old job's metadata, not its args: the new job
+				// carries it on, as a replay's does.
+				j.Trace = jobTrace(o.meta)
 				res, err := in.insert.InsertTx(ctx, tx, j, in.insertOpts(j))
 				if err != nil {
 					return err

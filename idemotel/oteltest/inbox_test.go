@@ -337,6 +337,51 @@ func TestInboxTraceAfterReplay(t *testing.T) {
 	noSecrets(t, fromSDKs(s.rec.Ended()), rm, secretKey, secretToken)
 }
 
+// TestInboxTraceAfterRepair: a delivery answered 202 whose job finished
+// without processing it (its River row marked completed by hand, as River
+// can leave one when two attempts overlap) is enqueued again by Repair;
+// the new job's attempt links to the accepting request's trace, which
+// Repair carries over from the old job's metadata.
+func TestInboxTraceAfterRepair(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	s, in, url := acceptingStack(t)
+	if code, body := post(t, url, secretKey); code != http.StatusAccepted {
+		t.Fatal(code, body)
+	}
+	srv := one(t, serverSpans(fromSDKs(s.rec.Ended())), "POST")
+	tag, err := s.pool.Exec(ctx, `UPDATE river_job SET state = 'completed', finalized_at = now() WHERE kind = $1`, inbox.Kind)
+	if err != nil || tag.RowsAffected() != 1 {
+		t.Fatal(tag, err)
+	}
+	rep, err := in.Repair(ctx)
+	if err != nil || rep.Requeued != 1 {
+		t.Fatal(rep, err)
+	}
+	rc, err := in.NewWorkerClient(1, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := rc.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = rc.Stop(context.Background()) })
+	var processed span
+	waitUntil(t, "the repaired job processed", func() bool {
+		for _, sp := range find(fromSDKs(s.rec.Ended()), "process ") {
+			if sp.Attrs["idem.inbox.outcome"] == "processed" {
+				processed = sp
+				return true
+			}
+		}
+		return false
+	})
+	if len(processed.Links) != 1 || processed.Links[0].TraceID != srv.TraceID {
+		t.Fatalf("the repaired job's span links to %v, want the accepting request's trace %s", processed.Links, srv.TraceID)
+	}
+	noSecrets(t, fromSDKs(s.rec.Ended()), metricdata.ResourceMetrics{}, secretKey, secretToken)
+}
+
 func waitUntil(t *testing.T, what string, ok func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(time.Minute)
