@@ -112,14 +112,7 @@ func TestInboxHostileTraceMetadata(t *testing.T) {
 		}
 	}
 	s.rec.Reset()
-	rc, err := in.NewWorkerClient(1, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := rc.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = rc.Stop(context.Background()) })
+	startWorker(t, in)
 	waitUntil(t, "the three jobs processed", func() bool {
 		n := 0
 		for _, sp := range find(fromSDKs(s.rec.Ended()), "process ") {

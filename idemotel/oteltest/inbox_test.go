@@ -289,14 +289,7 @@ func TestInboxTraceAfterReplay(t *testing.T) {
 		t.Fatal(code, body)
 	}
 	srv := one(t, serverSpans(fromSDKs(s.rec.Ended())), "POST")
-	rc, err := worker.NewWorkerClient(1, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := rc.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = rc.Stop(context.Background()) })
+	startWorker(t, worker)
 	var dead []inbox.DeadLetter
 	waitUntil(t, "the dead letter", func() bool {
 		dead, err = in.DeadLetters(ctx, inbox.Filter{Source: "shop"})
@@ -306,19 +299,7 @@ func TestInboxTraceAfterReplay(t *testing.T) {
 	if err != nil || len(res) != 1 || res[0].Outcome != "replayed" {
 		t.Fatal(res, err)
 	}
-	var processed span
-	waitUntil(t, "the replayed job processed", func() bool {
-		for _, sp := range find(fromSDKs(s.rec.Ended()), "process ") {
-			if sp.Attrs["idem.inbox.outcome"] == "processed" {
-				processed = sp
-				return true
-			}
-		}
-		return false
-	})
-	if len(processed.Links) != 1 || processed.Links[0].TraceID != srv.TraceID {
-		t.Fatalf("the replayed job's span links to %v, want the accepting request's trace %s", processed.Links, srv.TraceID)
-	}
+	processedLinksTo(t, s, "the replayed job", srv.TraceID)
 	var rm metricdata.ResourceMetrics
 	if err := s.reader.Collect(ctx, &rm); err != nil {
 		t.Fatal(err)
@@ -358,16 +339,31 @@ func TestInboxTraceAfterRepair(t *testing.T) {
 	if err != nil || rep.Requeued != 1 {
 		t.Fatal(rep, err)
 	}
+	startWorker(t, in)
+	processedLinksTo(t, s, "the repaired job", srv.TraceID)
+	noSecrets(t, fromSDKs(s.rec.Ended()), metricdata.ResourceMetrics{}, secretKey, secretToken)
+}
+
+// startWorker starts a worker client of in, one worker, stopped at the
+// test's end.
+func startWorker(t *testing.T, in *inbox.Inbox) {
+	t.Helper()
 	rc, err := in.NewWorkerClient(1, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := rc.Start(ctx); err != nil {
+	if err := rc.Start(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = rc.Stop(context.Background()) })
+}
+
+// processedLinksTo waits for a process span whose attempt processed the
+// event (what names the job) and checks that it links to trace.
+func processedLinksTo(t *testing.T, s *stack, what, trace string) {
+	t.Helper()
 	var processed span
-	waitUntil(t, "the repaired job processed", func() bool {
+	waitUntil(t, what+" processed", func() bool {
 		for _, sp := range find(fromSDKs(s.rec.Ended()), "process ") {
 			if sp.Attrs["idem.inbox.outcome"] == "processed" {
 				processed = sp
@@ -376,10 +372,9 @@ func TestInboxTraceAfterRepair(t *testing.T) {
 		}
 		return false
 	})
-	if len(processed.Links) != 1 || processed.Links[0].TraceID != srv.TraceID {
-		t.Fatalf("the repaired job's span links to %v, want the accepting request's trace %s", processed.Links, srv.TraceID)
+	if len(processed.Links) != 1 || processed.Links[0].TraceID != trace {
+		t.Fatalf("%s's span links to %v, want the accepting request's trace %s", what, processed.Links, trace)
 	}
-	noSecrets(t, fromSDKs(s.rec.Ended()), metricdata.ResourceMetrics{}, secretKey, secretToken)
 }
 
 func waitUntil(t *testing.T, what string, ok func() bool) {
