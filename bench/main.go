@@ -196,7 +196,7 @@ func run(ctx context.Context, o options) error {
 		{"ceiling", func(ctx context.Context, e *env, o options, _ *table) error { return benchCeiling(ctx, e, o, ceiling) }},
 	}
 	for _, s := range sections {
-		if o.only != "" && !strings.Contains(s.name, o.only) || o.only == "" && s.name == "ceiling" {
+		if (o.only != "" && !strings.Contains(s.name, o.only)) || (o.only == "" && s.name == "ceiling") {
 			continue
 		}
 		fmt.Fprintf(os.Stderr, "bench: %s...\n", s.name)
