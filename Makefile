@@ -6,7 +6,10 @@ SQLC := GOWORK=off go tool -modfile=tools/go.mod sqlc
 
 .PHONY: test vet generate sqlc-check schema schema-check migration fuzz soak bench build ci
 
+# The README's test command: what the tests need besides Go is checked
+# (installed with apt-get when root, else named) before any test runs.
 test:
+	bash scripts/prereqs
 	go test work
 
 vet:
