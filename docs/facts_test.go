@@ -1,6 +1,10 @@
 package docs
 
 import (
+	"go/ast"
+	"go/parser"
+	"go/token"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -276,6 +280,89 @@ func TestCurrentVersionsCited(t *testing.T) {
 				if last := versions[len(versions)-1]; !slices.Contains(cited, last) {
 					t.Errorf("%s: %q is last defined in migration %d, but the text cites %v:\n%s", filepath.Base(f), fn, last, cited, strings.TrimSpace(stmt))
 				}
+			}
+		}
+	}
+}
+
+// signatures maps each exported function and method name of the
+// repository's non-test Go files to the parameter counts it is declared
+// with (-n for a variadic one taking at least n-1).
+func signatures(t *testing.T) map[string][]int {
+	t.Helper()
+	out := map[string][]int{}
+	fset := token.NewFileSet()
+	err := filepath.WalkDir(root, func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() && path != root && (strings.HasPrefix(d.Name(), ".") || d.Name() == "testdata" || d.Name() == "node_modules") {
+			return filepath.SkipDir
+		}
+		if d.IsDir() || !strings.HasSuffix(path, ".go") || strings.HasSuffix(path, "_test.go") {
+			return nil
+		}
+		f, err := parser.ParseFile(fset, path, nil, parser.SkipObjectResolution)
+		if err != nil {
+			return err
+		}
+		for _, decl := range f.Decls {
+			fd, ok := decl.(*ast.FuncDecl)
+			if !ok || !fd.Name.IsExported() {
+				continue
+			}
+			n, variadic := 0, false
+			for _, p := range fd.Type.Params.List {
+				k := max(len(p.Names), 1)
+				n += k
+				if _, ok := p.Type.(*ast.Ellipsis); ok {
+					variadic = true
+				}
+			}
+			if variadic {
+				n = -n
+			}
+			out[fd.Name.Name] = append(out[fd.Name.Name], n)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// TestDocCallsMatchSignatures: a call written in the docs' prose
+// (`Stale(d, age)`, `idem.New(pool, cfg)`) passes as many
+// arguments as some exported function or method of that name takes, so a
+// signature that changed leaves no stale call behind. Mentions by name
+// alone (`Stale`) and calls with elided arguments (`Do(...)`) are not
+// calls.
+func TestDocCallsMatchSignatures(t *testing.T) {
+	t.Parallel()
+	sigs := signatures(t)
+	// A call unqualified or qualified by one of idem's packages; a
+	// variable's method (`p.DownTo(ctx, N-1)` on goose's Provider) may be
+	// another library's.
+	call := regexp.MustCompile("`(?:(?:idem|idemhttp|idemtest|inbox|migrate|testpg|idemotel|idemprom|dashboard|pgxdb|sqldb)\\.)?([A-Z]\\w*)\\(([^`()]*)\\)`")
+	docs, _ := filepath.Glob(filepath.Join(root, "docs", "*.md"))
+	docs = append(docs, filepath.Join(root, "README.md"))
+	for _, f := range docs {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range call.FindAllStringSubmatch(string(b), -1) {
+			decls, ok := sigs[m[1]]
+			if !ok || strings.Contains(m[2], "...") || strings.Contains(m[2], "…") {
+				continue
+			}
+			args := 0
+			if strings.TrimSpace(m[2]) != "" {
+				args = strings.Count(m[2], ",") + 1
+			}
+			if !slices.ContainsFunc(decls, func(n int) bool { return n == args || (n < 0 && args >= -n-1) }) {
+				t.Errorf("%s: %s passes %d arguments; %s takes %v", filepath.Base(f), m[0], args, m[1], decls)
 			}
 		}
 	}

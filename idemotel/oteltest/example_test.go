@@ -61,7 +61,16 @@ func Example() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	orders := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusCreated) })
+	orders := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		// The receipt is sent once per order, however often the request comes.
+		if _, err := client.Effect(r.Context(), "send_receipt", func(ctx context.Context) (any, error) {
+			return "sent", nil // in an application: the mail API's call, through idemhttp.Transport
+		}); err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+	})
 	handler := otelhttp.NewHandler(mw(orders), "orders", otelhttp.WithTracerProvider(tp))
 
 	srv := httptest.NewServer(handler) // in an application: http.ListenAndServe(":8080", handler)
@@ -84,6 +93,6 @@ func Example() {
 		recorder.Reset()
 	}
 	// Output:
-	// idem.claim idem.work idem.complete idem.do
+	// idem.claim idem.claim idem.work idem.complete idem.effect idem.work idem.complete idem.do
 	// idem.claim idem.do
 }

@@ -142,7 +142,7 @@ func render(spans []span) string {
 				list = append(list, n)
 			}
 			sort.Strings(list)
-			fmt.Fprintf(&b, "%spostgresql (client): %s\n", ind, strings.Join(list, ", "))
+			fmt.Fprintf(&b, "%s%s (client)\n", ind, strings.Join(list, ", "))
 		}
 		for _, s := range children[parent] {
 			if hidden(s) || s.Attrs["db.system.name"] != "" {
