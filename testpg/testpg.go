@@ -23,6 +23,7 @@ package testpg
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -97,7 +98,11 @@ func Run(m *testing.M, opts ...Option) int {
 	} else {
 		c, err := pgcluster.Start(ctx)
 		if err != nil {
-			fmt.Fprintf(os.Stderr, "testpg: these tests need a PostgreSQL server and none could be started: %v\nTo fix: %s.\n", err, howToGetOne)
+			if errors.Is(err, pgcluster.ErrNotInstalled) {
+				fmt.Fprintf(os.Stderr, "testpg: these tests need a PostgreSQL server and none could be started: %v\nTo fix: %s.\n", err, howToGetOne)
+			} else {
+				fmt.Fprintf(os.Stderr, "testpg: the throwaway PostgreSQL server did not start: %v\n", err)
+			}
 			return 1
 		}
 		server.cluster = c

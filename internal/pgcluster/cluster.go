@@ -6,6 +6,7 @@
 package pgcluster
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -28,6 +29,19 @@ const EnvBinDir = "IDEM_PG_BINDIR"
 
 // InstallHint says how to get the server binaries.
 const InstallHint = "install the PostgreSQL server (Debian/Ubuntu: apt-get install postgresql)"
+
+// ErrNotInstalled: no PostgreSQL server binaries were found (InstallHint
+// says how to get them). Any other error of Start is the server's own,
+// with its log.
+var ErrNotInstalled = errors.New("no PostgreSQL server binaries (initdb, postgres) found")
+
+// errPortTaken: the server could not bind its port, which another process
+// took between freePort and the server's start.
+var errPortTaken = errors.New("the port was taken by another process")
+
+// portAttempts bounds how many ports Start and Standby try when another
+// process takes the one chosen before the server binds it.
+const portAttempts = 20
 
 // Cluster is a throwaway PostgreSQL cluster owned by this process.
 type Cluster struct {
@@ -70,8 +84,7 @@ func FindBinDir() (string, error) {
 			return d, nil
 		}
 	}
-	return "", errors.New("no PostgreSQL server binaries (initdb, postgres) found in " +
-		EnvBinDir + ", pg_config --bindir, PATH or /usr/lib/postgresql/*/bin")
+	return "", fmt.Errorf("%w in %s, pg_config --bindir, PATH or /usr/lib/postgresql/*/bin", ErrNotInstalled, EnvBinDir)
 }
 
 func versionOf(binDir string) int {
@@ -123,10 +136,6 @@ func Start(ctx context.Context, opts ...Option) (*Cluster, error) {
 			return nil, err
 		}
 	}
-	if c.Port, err = freePort(); err != nil {
-		c.Remove()
-		return nil, err
-	}
 	data := filepath.Join(c.Dir, "data")
 	initdb := exec.CommandContext(ctx, filepath.Join(bin, "initdb"),
 		"-D", data, "-U", "postgres", "-A", "trust", "-E", "UTF8", "--locale=C", "--no-sync")
@@ -135,11 +144,28 @@ func Start(ctx context.Context, opts ...Option) (*Cluster, error) {
 		c.Remove()
 		return nil, fmt.Errorf("initdb: %v\n%s", err, out)
 	}
-	if err := c.startServer(ctx); err != nil {
+	if err := c.startOnFreePort(ctx); err != nil {
 		c.Remove()
 		return nil, err
 	}
 	return c, nil
+}
+
+// startOnFreePort starts the server on a port no process listens on. The
+// port is free when freePort releases it, but another process (a test
+// binary picking its own) can take it before the server binds it: then
+// the server is started again on another port, up to portAttempts times.
+func (c *Cluster) startOnFreePort(ctx context.Context) error {
+	var err error
+	for range portAttempts {
+		if c.Port, err = pickPort(); err != nil {
+			return err
+		}
+		if err = c.startServer(ctx); !errors.Is(err, errPortTaken) {
+			return err
+		}
+	}
+	return fmt.Errorf("%d ports in a row were taken before the server could bind them: %w", portAttempts, err)
 }
 
 func (c *Cluster) waitReady(ctx context.Context, timeout time.Duration) error {
@@ -202,8 +228,14 @@ func (c *Cluster) startServer(ctx context.Context) error {
 	cmd := c.cmd
 	go func() { c.waitErr = cmd.Wait(); close(exited) }()
 	if err := c.waitReady(ctx, 60*time.Second); err != nil {
-		log, _ := os.ReadFile(filepath.Join(c.Dir, "postgres.log"))
 		c.stopServer()
+		log, _ := os.ReadFile(filepath.Join(c.Dir, "postgres.log"))
+		if bytes.Contains(log, []byte("could not bind IPv4 address")) || bytes.Contains(log, []byte("Address already in use")) {
+			// The next attempt appends to the same log: this one's lines
+			// would only confuse a later failure's reader.
+			_ = os.Truncate(filepath.Join(c.Dir, "postgres.log"), 0)
+			return fmt.Errorf("port %d: %w: %v", c.Port, errPortTaken, err)
+		}
 		return fmt.Errorf("%w\npostgres log:\n%s", err, log)
 	}
 	return nil
@@ -260,10 +292,6 @@ func (c *Cluster) Standby(ctx context.Context) (*Cluster, error) {
 			return nil, err
 		}
 	}
-	if s.Port, err = freePort(); err != nil {
-		s.Remove()
-		return nil, err
-	}
 	backup := exec.CommandContext(ctx, filepath.Join(c.BinDir, "pg_basebackup"),
 		"-D", filepath.Join(s.Dir, "data"), "-h", c.Dir, "-p", strconv.Itoa(c.Port), "-U", "postgres",
 		"-R", "-X", "stream", "--no-sync", "-c", "fast")
@@ -272,7 +300,7 @@ func (c *Cluster) Standby(ctx context.Context) (*Cluster, error) {
 		s.Remove()
 		return nil, fmt.Errorf("pg_basebackup: %v\n%s", err, out)
 	}
-	if err := s.startServer(ctx); err != nil {
+	if err := s.startOnFreePort(ctx); err != nil {
 		s.Remove()
 		return nil, err
 	}
@@ -291,6 +319,9 @@ func (c *Cluster) Remove() {
 		_ = os.RemoveAll(c.Dir)
 	}
 }
+
+// pickPort is freePort; a test replaces it to hand out a taken port.
+var pickPort = freePort
 
 func freePort() (int, error) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")

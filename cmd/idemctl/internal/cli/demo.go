@@ -51,7 +51,10 @@ func newDemoCmd(a *app) *cobra.Command {
 			fmt.Fprintln(io.Out, "no --database-url or DATABASE_URL: starting a throwaway PostgreSQL...")
 			c, err := pgcluster.Start(ctx)
 			if err != nil {
-				return withCode(ExitUnreachable, fmt.Errorf("cannot start a throwaway PostgreSQL: %w; %s, or pass --database-url", err, pgcluster.InstallHint))
+				if errors.Is(err, pgcluster.ErrNotInstalled) {
+					return withCode(ExitUnreachable, fmt.Errorf("cannot start a throwaway PostgreSQL: %w; %s, or pass --database-url", err, pgcluster.InstallHint))
+				}
+				return withCode(ExitUnreachable, fmt.Errorf("cannot start a throwaway PostgreSQL: %w (or pass --database-url)", err))
 			}
 			defer func() {
 				c.Stop()
