@@ -79,6 +79,11 @@ type Config struct {
 	// the charts and flagged in the overview, in (0, 1] (0: the default,
 	// DefaultDuplicateAlert, as docs/alerts.yml's IdemDuplicateRateSpike).
 	DuplicateAlert float64
+	// NextSnapshot, when set, tells when the next per-source snapshot of
+	// key counts will be taken (idemctl run passes its --stats-schedule's
+	// next run): a source that has none yet says when one will come.
+	// Nil: the page says which command takes them.
+	NextSnapshot func() time.Time
 	// QueryTimeout bounds each page's queries (0: DefaultQueryTimeout).
 	QueryTimeout time.Duration
 	// ReplayLimit is the most dead letters one replay goes through (0:

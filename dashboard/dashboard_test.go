@@ -706,3 +706,22 @@ func TestKeysCursor(t *testing.T) {
 		}
 	})
 }
+
+// TestNoSnapshotYet: a source that claimed keys before the first snapshot
+// of key counts says when one will come: at the time Config.NextSnapshot
+// gives (idemctl run's schedule), or which command takes them.
+func TestNoSnapshotYet(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t, testdb.New(t), 4)
+	if _, err := pool.Exec(ctx, `
+		INSERT INTO idem.policies (source, ttl, lease, duplicate_sampling) VALUES ('fresh', '1 day', '1 minute', 1);
+		SELECT idem.claim('fresh', 'k1')`); err != nil {
+		t.Fatal(err)
+	}
+	due := time.Date(2026, 11, 28, 12, 34, 56, 0, time.UTC)
+	_, body := get(t, serve(t, dashboard.Config{Pool: pool, NextSnapshot: func() time.Time { return due }}).URL+"/")
+	contains(t, "overview with the schedule", body, `id="source-fresh"`, "no snapshot yet: the next is due at 12:34:56 UTC")
+	_, body = get(t, serve(t, dashboard.Config{Pool: pool}).URL+"/")
+	contains(t, "overview without it", body, "no snapshot yet: taken by <code>idemctl run</code> (--stats-schedule, every 5m by default)")
+}

@@ -49,7 +49,10 @@ type overviewView struct {
 	Columns    []summaryColumn
 	Threshold  float64
 	SnapshotAt time.Time // the oldest snapshot's time; zero: none
-	Inbox      bool
+	// NextSnapshot: when the next snapshot is due (Config.NextSnapshot);
+	// zero: not known.
+	NextSnapshot time.Time
+	Inbox        bool
 }
 
 // summaryColumn is a sortable column of the overview's summary table.
@@ -148,6 +151,9 @@ func (d *Dashboard) overview(w http.ResponseWriter, r *http.Request) {
 	}
 	v := buildOverview(now, d.cfg.DuplicateAlert, activity, policies, snaps, holds)
 	v.Inbox = d.cfg.Inbox != nil
+	if d.cfg.NextSnapshot != nil {
+		v.NextSnapshot = d.cfg.NextSnapshot()
+	}
 	v.sortSummary(r.URL.Query().Get("sort"), r.URL.Query().Get("dir") == "desc")
 	d.renderLive(w, r, http.StatusOK, "overview", "overview", "Overview", now, v)
 }

@@ -129,6 +129,24 @@ func (q *Queries) DropDetached(ctx context.Context, name string) (string, error)
 	return result, err
 }
 
+const lapsedLeases = `-- name: LapsedLeases :one
+SELECT count(*)::bigint AS lapsed
+  FROM idem.processed_events e
+ WHERE e.status = 'processing'
+   AND e.lease_expires_at < idem.clock()
+   AND e.lease_expires_at >= idem.clock() - $1::bigint::double precision * interval '1 millisecond'
+   AND e.expires_at > idem.clock()
+`
+
+// Keys still processing whose lease ended less than grace ago (not yet
+// stuck: a redelivery may still take them), retention not ended.
+func (q *Queries) LapsedLeases(ctx context.Context, graceMs int64) (int64, error) {
+	row := q.db.QueryRow(ctx, lapsedLeases, graceMs)
+	var lapsed int64
+	err := row.Scan(&lapsed)
+	return lapsed, err
+}
+
 const listPartitions = `-- name: ListPartitions :many
 SELECT p.partition::text                 AS name,
        p.is_default::boolean             AS is_default,
@@ -525,9 +543,12 @@ SELECT count(*)::bigint AS stuck
   FROM idem.processed_events e
  WHERE e.status = 'processing'
    AND e.lease_expires_at < idem.clock() - $1::bigint::double precision * interval '1 millisecond'
+   AND e.expires_at > idem.clock()
 `
 
-// Keys still processing whose lease ended more than grace ago.
+// Keys still processing whose lease ended more than grace ago, and whose
+// retention has not ended: a released key (idemctl release) or an expired
+// one is answered as new by its next delivery, so it is stuck no longer.
 func (q *Queries) StuckLeases(ctx context.Context, graceMs int64) (int64, error) {
 	row := q.db.QueryRow(ctx, stuckLeases, graceMs)
 	var stuck int64

@@ -121,11 +121,24 @@ SELECT idem.record_run(sqlc.arg(job)::text, sqlc.arg(started_at)::timestamptz, s
                        sqlc.arg(figures)::text::jsonb, sqlc.narg(error)::text, sqlc.arg(run_by)::text)::bigint AS id;
 
 -- name: StuckLeases :one
--- Keys still processing whose lease ended more than grace ago.
+-- Keys still processing whose lease ended more than grace ago, and whose
+-- retention has not ended: a released key (idemctl release) or an expired
+-- one is answered as new by its next delivery, so it is stuck no longer.
 SELECT count(*)::bigint AS stuck
   FROM idem.processed_events e
  WHERE e.status = 'processing'
-   AND e.lease_expires_at < idem.clock() - sqlc.arg(grace_ms)::bigint::double precision * interval '1 millisecond';
+   AND e.lease_expires_at < idem.clock() - sqlc.arg(grace_ms)::bigint::double precision * interval '1 millisecond'
+   AND e.expires_at > idem.clock();
+
+-- name: LapsedLeases :one
+-- Keys still processing whose lease ended less than grace ago (not yet
+-- stuck: a redelivery may still take them), retention not ended.
+SELECT count(*)::bigint AS lapsed
+  FROM idem.processed_events e
+ WHERE e.status = 'processing'
+   AND e.lease_expires_at < idem.clock()
+   AND e.lease_expires_at >= idem.clock() - sqlc.arg(grace_ms)::bigint::double precision * interval '1 millisecond'
+   AND e.expires_at > idem.clock();
 
 -- name: PublicRoutines :many
 -- Routines of schema idem that PUBLIC may execute (there should be none).

@@ -30,7 +30,7 @@ const dashboardConns = 4
 // (dashboardConns connections, with the daemon pool's settings) closed
 // when ctx is done. The dead letters page and its replay need the inbox's
 // River tables; without them the page says the inbox is not in use.
-func newDashboard(ctx context.Context, daemonPool *pgxpool.Pool, log *slog.Logger, riverSchema, queue string, actions, results bool, hosts []string) (http.Handler, error) {
+func newDashboard(ctx context.Context, daemonPool *pgxpool.Pool, log *slog.Logger, riverSchema, queue string, actions, results bool, hosts []string, nextSnapshot func() time.Time) (http.Handler, error) {
 	pcfg := daemonPool.Config().Copy()
 	pcfg.MaxConns, pcfg.MinConns = dashboardConns, 0
 	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
@@ -47,7 +47,7 @@ func newDashboard(ctx context.Context, daemonPool *pgxpool.Pool, log *slog.Logge
 		pool.Close()
 		return nil, err
 	}
-	cfg := dashboard.Config{Pool: pool, Actions: actions, ShowResults: results, AllowedHosts: hosts, MaxPages: dashboardConns,
+	cfg := dashboard.Config{Pool: pool, Actions: actions, ShowResults: results, AllowedHosts: hosts, MaxPages: dashboardConns, NextSnapshot: nextSnapshot,
 		Logger: log.With(slog.String("component", "dashboard"))}
 	if hasRiver {
 		in, err := inbox.New(inbox.Config{Pool: pool, Schema: riverSchema, Queue: queue, Logger: log})

@@ -166,7 +166,8 @@ func newRunCmd(a *app) *cobra.Command {
 			var dash http.Handler
 			hosts := dashboardHosts(*listen, dashHosts)
 			if *serveDash {
-				if dash, err = newDashboard(ctx, pool, log, *riverSchema, *queue, *dashActions, *dashResults, hosts); err != nil {
+				next := func() time.Time { return c.Entry(statsID).Next }
+				if dash, err = newDashboard(ctx, pool, log, *riverSchema, *queue, *dashActions, *dashResults, hosts, next); err != nil {
 					return err
 				}
 			}

@@ -183,3 +183,42 @@ func TestCheckPublicRoutines(t *testing.T) {
 	}
 	oneLine(t, r.errout, "PUBLIC may execute 1 routines of schema idem (idem.by_hand())")
 }
+
+// TestCheckStuckAfterRelease: check says what its grace leaves out, where
+// stats counts every lapsed lease; a stuck key released as check advises
+// is no longer reported, without waiting for prune.
+func TestCheckStuckAfterRelease(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.Pool(t, url, 2)
+	lapsed := func(key, ago string) {
+		t.Helper()
+		if _, err := pool.Exec(ctx, `
+			INSERT INTO idem.processed_events (source, key, first_seen_month, status, token, lease_expires_at, first_seen, updated_at, expires_at)
+			VALUES ('s', $1, idem.utc_month(now()), 'processing', 1, now() - $2::interval, now() - interval '2 hours', now(), now() + interval '1 day')`, key, ago); err != nil {
+			t.Fatal(err)
+		}
+	}
+	lapsed("recent", "1 minute")
+	r := idemctl(t, ctx, nil, "check", "--database-url", url)
+	if r.code != 0 || !strings.Contains(r.out, "0 stuck leases (ended over 10m0s ago); 1 lease ended less than 10m0s ago, stuck if no redelivery takes it by then") {
+		t.Fatalf("check with a lease lapsed a minute ago: %+v", r)
+	}
+	if r := idemctl(t, ctx, nil, "stats", "--database-url", url, "--json"); r.code != 0 || !strings.Contains(r.out, `"stuck_past_lease": 1`) {
+		t.Fatalf("stats counts the lapsed lease: %+v", r)
+	}
+
+	lapsed("stuck", "1 hour")
+	r = idemctl(t, ctx, nil, "check", "--database-url", url)
+	if r.code != ExitUnhealthy || !strings.Contains(r.errout, "s/stuck") || !strings.Contains(r.errout, "idemctl release --source S --key K") {
+		t.Fatalf("check with a stuck key: %+v", r)
+	}
+	if r := idemctl(t, ctx, nil, "release", "--database-url", url, "--source", "s", "--key", "stuck"); r.code != 0 {
+		t.Fatalf("release: %+v", r)
+	}
+	r = idemctl(t, ctx, nil, "check", "--database-url", url)
+	if r.code != 0 || !strings.Contains(r.out, "0 stuck leases") {
+		t.Fatalf("check after the advised release: %+v", r)
+	}
+}
