@@ -208,6 +208,10 @@ type Config struct {
 	// multi-event delivery its own key (batch.go).
 	handshake handshakeFunc
 	batch     *batchSpec
+	// ping answers a request that is the sender's unsigned ping, not a
+	// delivery (WooCommerce's activation ping), before verification:
+	// nothing is claimed, stored or run (handshake.go).
+	ping handshakeFunc
 }
 
 // Response is what the middleware stores for a key: enough to replay the
@@ -404,6 +408,9 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 		return AnswerBadRequest
 	}
 	r.Body = io.NopCloser(newReader(body))
+	if m.cfg.ping != nil && m.cfg.ping(w, r, body) {
+		return AnswerHandshake
+	}
 	if !m.verified(w, r, body) {
 		return AnswerRefused
 	}

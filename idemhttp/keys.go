@@ -184,6 +184,9 @@ type senderPreset struct {
 	// made from the endpoint's secrets; batch: a multi-event delivery.
 	handshake func(secrets []string) handshakeFunc
 	batch     *batchSpec
+	// ping answers the sender's unsigned ping before verification
+	// (WooCommerce's activation ping; Config.ping).
+	ping handshakeFunc
 }
 
 func preset(p senderPreset) Preset {
@@ -206,6 +209,7 @@ func preset(p senderPreset) Preset {
 		}
 		c.sender = p.name
 		c.batch = p.batch
+		c.ping = p.ping
 		if p.handshake != nil {
 			c.handshake = p.handshake(append([]string(nil), p.secrets...))
 		}
