@@ -175,7 +175,10 @@ func (s *Sender) Redeliver(d *Delivery) *Delivery {
 // do it), which their presets answer as a duplicate (the replay guard).
 // For Stripe, whose id is inside the signed body, it is Redeliver. For
 // Standard Webhooks, whose signature covers the id, it is a new message
-// only the sender can make, and the preset runs it as a new event.
+// only the sender can make, and the preset runs it as a new event. Twilio
+// (under a fresh I-Twilio-Idempotency-Token) and WooCommerce's deleted and
+// custom topics send one signed content as distinct events, told apart by
+// that unsigned id alone: their presets run it as a new event too.
 func (s *Sender) Resend(d *Delivery) *Delivery {
 	if s.deliveryHeader == "" {
 		return s.Redeliver(d)
