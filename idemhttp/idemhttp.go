@@ -195,7 +195,7 @@ type Config struct {
 
 	sender        string   // set by a webhook preset: its name
 	senderHeaders []string // a preset's event, delivery and signature headers
-	guardBody     bool     // a preset whose signature covers the body only: the replay guard
+	guardBody     bool     // the replay guard (guard.go): the signature covers the body only and the sender never sends one body as two events
 	presetErr     error    // a preset's bad secret
 	secrets       []string // a preset's signing secrets: the endpoint's identity (endpoint.go)
 	defaultSource bool     // Source is the preset's default, not named by the caller

@@ -177,7 +177,7 @@ type senderPreset struct {
 	secrets      []string
 	verifier     func(secrets ...string) (Verifier, error)
 	headers      []string // the sender's event, delivery and signature headers
-	guardBody    bool     // the signature covers the body only: the replay guard
+	guardBody    bool     // the replay guard: the signature covers the body only and the sender never sends one body as two events (guard.go)
 	// legacyFingerprint: what an earlier version stored (Config.legacyFingerprint).
 	legacyFingerprint FingerprintFunc
 	// handshake answers the sender's verified handshake (handshake.go),
