@@ -12,20 +12,30 @@ import (
 	"github.com/idemkit/idem"
 )
 
-// The replay guard. GitHub (X-Hub-Signature-256) and Shopify
-// (X-Shopify-Hmac-Sha256) sign the body only: the delivery id the presets
-// key by is not signed, so a captured delivery re-sent with a fresh id
-// verifies and would be a new key. For these senders what the signature
-// covers is deduplicated too: the signed body (with the event type: two
-// topics may carry the same body) is claimed under Source+GuardSuffix with
-// the delivery's key as fingerprint. A copy under another id meets the
-// body's claim with another fingerprint and is answered as a duplicate
-// without running anything; the genuine redelivery (same id, same body)
-// passes the guard and is answered from its stored result, as before. Two
+// The replay guard. GitHub (X-Hub-Signature-256), Shopify
+// (X-Shopify-Hmac-Sha256), Bitbucket, GitLab and Linear sign the body only
+// (GitLab signs nothing): the delivery id the presets key by is not
+// signed, so a captured delivery re-sent with a fresh id verifies and
+// would be a new key. For these senders what the signature covers is
+// deduplicated too: the signed body (with the event type: two topics may
+// carry the same body) is claimed under Source+GuardSuffix with the
+// delivery's key as fingerprint. A copy under another id meets the body's
+// claim with another fingerprint and is answered as a duplicate without
+// running anything; the genuine redelivery (same id, same body) passes
+// the guard and is answered from its stored result, as before. Two
 // genuine deliveries of the same event type with byte-identical bodies
 // are one event. The other direction, the key to what it stands for, is
 // the preset's fingerprint (headersFingerprint): the body and the
 // unsigned headers a handler acts on. docs/senders.md.
+//
+// The guard is only for senders that sign the body alone and never send
+// one signed body as two events: it would drop a genuine delivery whose
+// signed identity differs in what it does not cover (a Twilio GET, whose
+// parameters are its signed query and whose body is empty), or that the
+// sender legitimately repeats (Twilio's looping <Gather>, WooCommerce's
+// deleted events). Those presets key by what the sender keeps across
+// retries and changes across events, and have no guard (twilio.go,
+// woocommerce.go).
 
 // GuardSuffix is appended to a source to name the source of its replay
 // guard's keys ("github/bodies").

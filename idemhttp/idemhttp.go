@@ -195,7 +195,7 @@ type Config struct {
 
 	sender        string   // set by a webhook preset: its name
 	senderHeaders []string // a preset's event, delivery and signature headers
-	guardBody     bool     // a preset whose signature covers the body only: the replay guard
+	guardBody     bool     // the replay guard (guard.go): the signature covers the body only and the sender never sends one body as two events
 	presetErr     error    // a preset's bad secret
 	secrets       []string // a preset's signing secrets: the endpoint's identity (endpoint.go)
 	defaultSource bool     // Source is the preset's default, not named by the caller
@@ -208,6 +208,10 @@ type Config struct {
 	// multi-event delivery its own key (batch.go).
 	handshake handshakeFunc
 	batch     *batchSpec
+	// ping answers a request that is the sender's unsigned ping, not a
+	// delivery (WooCommerce's activation ping), before verification:
+	// nothing is claimed, stored or run (handshake.go).
+	ping handshakeFunc
 }
 
 // Response is what the middleware stores for a key: enough to replay the
@@ -404,6 +408,9 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 		return AnswerBadRequest
 	}
 	r.Body = io.NopCloser(newReader(body))
+	if m.cfg.ping != nil && m.cfg.ping(w, r, body) {
+		return AnswerHandshake
+	}
 	if !m.verified(w, r, body) {
 		return AnswerRefused
 	}

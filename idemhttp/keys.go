@@ -177,13 +177,16 @@ type senderPreset struct {
 	secrets      []string
 	verifier     func(secrets ...string) (Verifier, error)
 	headers      []string // the sender's event, delivery and signature headers
-	guardBody    bool     // the signature covers the body only: the replay guard
+	guardBody    bool     // the replay guard: the signature covers the body only and the sender never sends one body as two events (guard.go)
 	// legacyFingerprint: what an earlier version stored (Config.legacyFingerprint).
 	legacyFingerprint FingerprintFunc
 	// handshake answers the sender's verified handshake (handshake.go),
 	// made from the endpoint's secrets; batch: a multi-event delivery.
 	handshake func(secrets []string) handshakeFunc
 	batch     *batchSpec
+	// ping answers the sender's unsigned ping before verification
+	// (WooCommerce's activation ping; Config.ping).
+	ping handshakeFunc
 }
 
 func preset(p senderPreset) Preset {
@@ -206,6 +209,7 @@ func preset(p senderPreset) Preset {
 		}
 		c.sender = p.name
 		c.batch = p.batch
+		c.ping = p.ping
 		if p.handshake != nil {
 			c.handshake = p.handshake(append([]string(nil), p.secrets...))
 		}

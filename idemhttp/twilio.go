@@ -14,6 +14,8 @@ import (
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/idemkit/idem"
 )
 
 // TwilioRetention is how long the Twilio preset keeps keys. Twilio retries
@@ -90,38 +92,74 @@ func isForm(r *http.Request) bool {
 // Twilio verifies X-Twilio-Signature first (TwilioVerifier, over the
 // public URL u), and keys by I-Twilio-Idempotency-Token, which Twilio
 // sends with every webhook and keeps when it retries, else by the SHA-256
-// of the signed parameters. The type is the form's MessageStatus,
-// SmsStatus or CallStatus, or a JSON body's "type". The token is not
-// signed: the signed body is deduplicated too (the replay guard), so a
-// captured request re-sent under a fresh token runs nothing.
+// of the request target and the body (for a GET, the query carries the
+// signed parameters). The type is the parameters' MessageStatus,
+// SmsStatus or CallStatus (the form body, or a GET's query), or a JSON
+// body's "type". The fingerprint is what the signature covers besides the
+// URL: the body, or a GET's query parameters (twilioFingerprint).
+//
+// There is no replay guard: Twilio legitimately sends identical signed
+// requests as distinct events (a looping <Gather> or <Redirect> posts the
+// same parameters to the same URL for every key press; Twilio's
+// signature, HMAC-SHA1 of the URL and the sorted parameters, carries no
+// timestamp or nonce), each under its own token. A guard on the signed
+// content would answer the caller's second key press as a duplicate; the
+// token is what Twilio keeps across retries and changes across events.
+// The token is not signed: a captured request re-sent under a fresh token
+// runs again, as it would past Twilio's own validators. docs/senders.md.
 func Twilio(u PublicURL, authTokens ...string) Preset {
-	return preset(senderPreset{source: "twilio", name: "Twilio", key: twilioKey, fingerprint: BodyFingerprint,
+	return preset(senderPreset{source: "twilio", name: "Twilio", key: twilioKey, fingerprint: twilioFingerprint,
 		ttl: TwilioRetention, secrets: authTokens,
 		verifier: func(s ...string) (Verifier, error) { return TwilioVerifier(u, s...) },
-		headers:  []string{"X-Twilio-Signature", "I-Twilio-Idempotency-Token", "X-Home-Region"}, guardBody: true})
+		headers:  []string{"X-Twilio-Signature", "I-Twilio-Idempotency-Token", "X-Home-Region"}})
 }
+
+// twilioFields are the parameters whose value is a Twilio delivery's type.
+var twilioFields = []string{"MessageStatus", "SmsStatus", "CallStatus", "EventType"}
 
 func twilioKey(r *http.Request, body []byte) (string, string, error) {
 	typ := ""
-	if isForm(r) {
+	switch {
+	case isForm(r):
 		form, err := url.ParseQuery(string(body))
 		if err != nil {
 			return "", "", fmt.Errorf("the form body does not parse: %w", err)
 		}
-		for _, f := range []string{"MessageStatus", "SmsStatus", "CallStatus", "EventType"} {
-			if v := form.Get(f); v != "" {
-				typ = v
-				break
-			}
-		}
-	} else if len(body) > 0 {
+		typ = twilioType(form)
+	case len(body) > 0:
 		var ev struct{ Type string }
 		_ = json.Unmarshal(body, &ev)
 		typ = ev.Type
+	default:
+		// A GET (the phone number's or callback's "HTTP GET" setting):
+		// the parameters are the signed query.
+		typ = twilioType(r.URL.Query())
 	}
 	if k := strings.TrimSpace(r.Header.Get("I-Twilio-Idempotency-Token")); k != "" {
 		return k, typ, nil
 	}
 	d := sha256.Sum256(append([]byte(r.URL.RequestURI()+"\n"), body...))
 	return "sha256:" + base64.RawURLEncoding.EncodeToString(d[:]), typ, nil
+}
+
+func twilioType(params url.Values) string {
+	for _, f := range twilioFields {
+		if v := params.Get(f); v != "" {
+			return v
+		}
+	}
+	return ""
+}
+
+// twilioFingerprint is what Twilio signs besides the URL's scheme, host
+// and path: the body (BodyFingerprint, as before: keys stored by an
+// earlier version keep matching), or, for a request without one (a GET),
+// its query parameters in the signed form (twilioParams). A token
+// re-sent with other signed parameters is a mismatch (422), never the
+// earlier delivery's answer.
+func twilioFingerprint(r *http.Request, body []byte) string {
+	if len(body) > 0 {
+		return BodyFingerprint(r, body)
+	}
+	return idem.Fingerprint([]byte("twilio query"), twilioParams(r.URL.Query()))
 }

@@ -5,6 +5,7 @@ import (
 	"crypto/ed25519"
 	"crypto/elliptic"
 	"crypto/hmac"
+	"crypto/md5"
 	"crypto/rand"
 	"crypto/sha1"
 	"crypto/sha256"
@@ -320,17 +321,21 @@ func Intercom(clientSecret string) *Sender {
 }
 
 // WooCommerce signs as WooCommerce does (X-WC-Webhook-Signature), for
-// idemhttp.WooCommerce(secret): the topic in X-WC-Webhook-Topic, the id in
-// X-WC-Webhook-Delivery-ID, the body the resource itself.
+// idemhttp.WooCommerce(secret): the topic in X-WC-Webhook-Topic, the body
+// the resource itself, and X-WC-Webhook-Delivery-ID made as WooCommerce
+// makes it, wp_hash(webhook id . the current second)
+// (WooCommerceDeliveryID): every event of one second has the same one.
 func WooCommerce(secret string) *Sender {
-	return &Sender{name: "woocommerce", deliveryHeader: "X-WC-Webhook-Delivery-ID", newID: func() string { return randomHex(16) },
+	salt := randomHex(32) // the store's wp_salt('auth')
+	return &Sender{name: "woocommerce", deliveryHeader: "X-WC-Webhook-Delivery-ID",
+		newID: func() string { return WooCommerceDeliveryID(salt, "7", time.Now()) },
 		event: func(id, typ string, data json.RawMessage) ([]byte, http.Header) {
 			res, ev, _ := strings.Cut(typ, ".")
 			return data, http.Header{"Content-Type": {"application/json"}, "X-Wc-Webhook-Topic": {typ}, "X-Wc-Webhook-Resource": {res},
 				"X-Wc-Webhook-Event": {ev}, "X-Wc-Webhook-Source": {"https://shop.example.com/"}, "X-Wc-Webhook-Id": {"7"}, "X-Wc-Webhook-Delivery-Id": {id}}
 		},
 		sign: func(h http.Header, _ string, body []byte, _ time.Time) error {
-			h.Set("X-WC-Webhook-Signature", base64.StdEncoding.EncodeToString(hmac256(secret, string(body))))
+			h.Set("X-WC-Webhook-Signature", WooCommerceSignature(secret, body))
 			return nil
 		},
 		resend: func(h http.Header) string {
@@ -339,6 +344,24 @@ func WooCommerce(secret string) *Sender {
 			return id
 		},
 		forge: func() *Sender { return WooCommerce("idemtest forger") }}
+}
+
+// WooCommerceSignature is X-WC-Webhook-Signature of body, as
+// WC_Webhook::generate_signature makes it: the base64 HMAC-SHA256 of the
+// body under the webhook's secret.
+func WooCommerceSignature(secret string, body []byte) string {
+	return base64.StdEncoding.EncodeToString(hmac256(secret, string(body)))
+}
+
+// WooCommerceDeliveryID is X-WC-Webhook-Delivery-ID as
+// WC_Webhook::get_new_delivery_id makes it: wp_hash($this->get_id() .
+// strtotime('now')), WordPress's hash_hmac('md5', data, wp_salt('auth')),
+// over the webhook id and the Unix second at. Deliveries of one webhook
+// within one second share it.
+func WooCommerceDeliveryID(salt, webhookID string, at time.Time) string {
+	m := hmac.New(md5.New, []byte(salt))
+	m.Write([]byte(webhookID + strconv.FormatInt(at.Unix(), 10)))
+	return hex.EncodeToString(m.Sum(nil))
 }
 
 // Bitbucket signs as Bitbucket Cloud does (X-Hub-Signature: sha256=hex),

@@ -12,7 +12,9 @@ import (
 
 // Runs is an http.Handler that counts, per event, how often the handler it
 // wraps started, and then calls it. An event is what the idemhttp presets
-// take for one: a Standard Webhooks (or Svix) message by its id, any other
+// take for one: a Standard Webhooks (or Svix) message by its id, a Twilio
+// request by its I-Twilio-Idempotency-Token (Twilio sends one signed
+// request as two events: a caller pressing the same key twice), any other
 // delivery by its body, so that a redelivery, and a GitHub or Shopify copy
 // under a fresh delivery id, count as the same event.
 //
@@ -62,7 +64,7 @@ func (r *Runs) Of(d *Delivery) int {
 
 // eventOf identifies a delivery's event (see Runs).
 func eventOf(h http.Header, body []byte) [32]byte {
-	for _, id := range []string{"webhook-id", "svix-id"} {
+	for _, id := range []string{"webhook-id", "svix-id", "I-Twilio-Idempotency-Token"} {
 		if v := h.Get(id); v != "" {
 			return sha256.Sum256([]byte(id + ":" + v))
 		}

@@ -82,11 +82,14 @@ type Delivery struct {
 	Body     []byte
 	Header   http.Header
 	// Query is appended to the URL the delivery is sent to (Twilio's
-	// bodySHA256 of a JSON body).
+	// bodySHA256 of a JSON body, a Twilio GET's parameters).
 	Query string
+	// Method is the request's method: POST when empty (Twilio also sends
+	// GET, its parameters in Query).
+	Method string
 }
 
-// Request returns a POST of the delivery to url.
+// Request returns the delivery to url: a POST, or Method.
 func (d *Delivery) Request(ctx context.Context, url string) (*http.Request, error) {
 	if d.Query != "" {
 		sep := "?"
@@ -95,7 +98,11 @@ func (d *Delivery) Request(ctx context.Context, url string) (*http.Request, erro
 		}
 		url += sep + d.Query
 	}
-	r, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(d.Body))
+	method := d.Method
+	if method == "" {
+		method = http.MethodPost
+	}
+	r, err := http.NewRequestWithContext(ctx, method, url, bytes.NewReader(d.Body))
 	if err != nil {
 		return nil, err
 	}
@@ -153,7 +160,7 @@ func (s *Sender) Event(typ, dataJSON string) *Delivery {
 // ids, signed again now (a fresh timestamp where the scheme has one). A
 // receiver must answer it as a duplicate.
 func (s *Sender) Redeliver(d *Delivery) *Delivery {
-	r := &Delivery{Sender: d.Sender, ID: d.ID, Type: d.Type, Body: d.Body, Header: d.Header.Clone(), Query: d.Query}
+	r := &Delivery{Sender: d.Sender, ID: d.ID, Type: d.Type, Body: d.Body, Header: d.Header.Clone(), Query: d.Query, Method: d.Method}
 	deliveryID := d.ID
 	if s.deliveryHeader != "" {
 		deliveryID = r.Header.Get(s.deliveryHeader)
@@ -168,12 +175,15 @@ func (s *Sender) Redeliver(d *Delivery) *Delivery {
 // do it), which their presets answer as a duplicate (the replay guard).
 // For Stripe, whose id is inside the signed body, it is Redeliver. For
 // Standard Webhooks, whose signature covers the id, it is a new message
-// only the sender can make, and the preset runs it as a new event.
+// only the sender can make, and the preset runs it as a new event. Twilio
+// (under a fresh I-Twilio-Idempotency-Token) and WooCommerce's deleted and
+// custom topics send one signed content as distinct events, told apart by
+// that unsigned id alone: their presets run it as a new event too.
 func (s *Sender) Resend(d *Delivery) *Delivery {
 	if s.deliveryHeader == "" {
 		return s.Redeliver(d)
 	}
-	r := &Delivery{Sender: d.Sender, Type: d.Type, Body: d.Body, Header: d.Header.Clone(), Query: d.Query}
+	r := &Delivery{Sender: d.Sender, Type: d.Type, Body: d.Body, Header: d.Header.Clone(), Query: d.Query, Method: d.Method}
 	if s.resend != nil {
 		// The body as it was signed: whoever re-sends a captured delivery
 		// cannot sign a fresh timestamp into it.
