@@ -107,6 +107,36 @@ func (q *Queries) CurrentMonth(ctx context.Context) (pgtype.Date, error) {
 	return month, err
 }
 
+const defaultMonths = `-- name: DefaultMonths :many
+SELECT month::date AS month, row_count::bigint AS row_count FROM idem.default_months()
+`
+
+type DefaultMonthsRow struct {
+	Month    pgtype.Date
+	RowCount int64
+}
+
+// The months that have rows in the default partition, and how many each.
+func (q *Queries) DefaultMonths(ctx context.Context) ([]DefaultMonthsRow, error) {
+	rows, err := q.db.Query(ctx, defaultMonths)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []DefaultMonthsRow
+	for rows.Next() {
+		var i DefaultMonthsRow
+		if err := rows.Scan(&i.Month, &i.RowCount); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const defaultPartitionRows = `-- name: DefaultPartitionRows :one
 SELECT count(*)::bigint AS rows FROM idem.processed_events_default
 `
@@ -243,6 +273,24 @@ func (q *Queries) MonthsToCreate(ctx context.Context, premake int32) ([]pgtype.D
 		return nil, err
 	}
 	return items, nil
+}
+
+const moveDefaultMonth = `-- name: MoveDefaultMonth :one
+SELECT idem.move_default_month($1::date, $2::bigint)::bigint AS moved
+`
+
+type MoveDefaultMonthParams struct {
+	Month   pgtype.Date
+	MaxRows int64
+}
+
+// Moves a month's rows out of the default partition into the month's new
+// partition (migration 29); ID010 when there are more than max_rows.
+func (q *Queries) MoveDefaultMonth(ctx context.Context, arg MoveDefaultMonthParams) (int64, error) {
+	row := q.db.QueryRow(ctx, moveDefaultMonth, arg.Month, arg.MaxRows)
+	var moved int64
+	err := row.Scan(&moved)
+	return moved, err
 }
 
 const partitionMonths = `-- name: PartitionMonths :many

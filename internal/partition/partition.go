@@ -1,8 +1,12 @@
 // Package partition rotates idem.processed_events' monthly partitions:
 // premake the months ahead and retire past months whose rows have all
 // expired. Rows that landed in the default partition stay there until
-// prune deletes them (moving them would lock the partition every claim
-// reads); their months get no partition meanwhile.
+// prune deletes them, and their months get no partition meanwhile, unless
+// Config.MoveDefault is set: then each such month's rows are moved into a
+// new partition of the month (idem.move_default_month), in one short
+// transaction per month that holds the default partition's lock, which
+// claims of months without a partition wait for, as long as the copy
+// takes (months with more than MaxMoveRows rows are left as they are).
 //
 // Every DDL step runs in its own short transaction with SET LOCAL
 // lock_timeout, so a long transaction on the table makes rotation wait at
@@ -23,6 +27,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/db/pgxdb"
@@ -42,6 +47,7 @@ const (
 	DefaultStatementTimeout = 5 * time.Minute
 	DefaultRetries          = 4
 	DefaultBackoff          = 500 * time.Millisecond
+	DefaultMaxMoveRows      = 50_000
 )
 
 // Config configures a rotation. Settings are pointers so that unset is
@@ -75,6 +81,17 @@ type Config struct {
 	// database's default, idem.lock_ttl('rotate') (10m), the lease CALL
 	// idem.rotate() takes too.
 	LockTTL *time.Duration
+	// MoveDefault moves the rows that landed in the default partition into
+	// partitions of their months (idem.move_default_month), so that those
+	// months get their partition and later claims stop landing there.
+	// Default false: they stay until prune deletes them.
+	MoveDefault bool
+	// MaxMoveRows is the most rows of one month MoveDefault moves: the move
+	// holds the default partition's lock as long as copying them takes.
+	// A month with more is left as it is (Step "kept: ..."). nil:
+	// DefaultMaxMoveRows (50,000; about half a second on this project's
+	// 2-core machine); 1 to 100,000,000.
+	MaxMoveRows *int64
 	// Holder identifies this run in the lock table. Default host:pid:random.
 	Holder string
 	// Logger receives each step. Default: discard.
@@ -101,6 +118,8 @@ func (c Config) Validate() error {
 		return bad("Retries", "%d is out of range (0 to 100)", *c.Retries)
 	case c.Backoff != nil && *c.Backoff < 0:
 		return bad("Backoff", "%s is negative", *c.Backoff)
+	case c.MaxMoveRows != nil && (*c.MaxMoveRows < 1 || *c.MaxMoveRows > 100_000_000):
+		return bad("MaxMoveRows", "%d is out of range (1 to 100000000)", *c.MaxMoveRows)
 	case c.LockTTL != nil && (*c.LockTTL < time.Millisecond || *c.LockTTL > 24*time.Hour):
 		return bad("LockTTL", "%s is out of range (1ms to 24h)", *c.LockTTL)
 	}
@@ -111,6 +130,8 @@ func (c Config) Validate() error {
 type settings struct {
 	premake                  int
 	keepDetached             bool
+	moveDefault              bool
+	maxMoveRows              int64
 	lockTimeout, stmtTimeout time.Duration
 	retries                  int
 	backoff, lockTTL         time.Duration
@@ -125,6 +146,8 @@ func (c Config) settings() (settings, error) {
 	s := settings{
 		premake:      maintcfg.Or(c.Premake, DefaultPremake),
 		keepDetached: c.KeepDetached,
+		moveDefault:  c.MoveDefault,
+		maxMoveRows:  maintcfg.Or(c.MaxMoveRows, DefaultMaxMoveRows),
 		lockTimeout:  maintcfg.Or(c.LockTimeout, DefaultLockTimeout),
 		stmtTimeout:  maintcfg.Or(c.StatementTimeout, DefaultStatementTimeout),
 		retries:      maintcfg.Or(c.Retries, DefaultRetries),
@@ -169,9 +192,9 @@ func (c settings) check(ctx context.Context, q *pgxdb.Queries) error {
 
 // Step is one thing rotation did or tried.
 type Step struct {
-	Action string // "create" or "retire"
-	Target string // month (create) or partition (retire)
-	Result string // "created", "dropped", "detached", "kept: ...", "gave up: ..."
+	Action string // "move", "create" or "retire"
+	Target string // month (move, create) or partition (retire)
+	Result string // "moved N rows", "created", "dropped", "detached", "kept: ...", "gave up: ..."
 }
 
 // Result is the outcome of a rotation.
@@ -251,6 +274,11 @@ func (c settings) rotate(ctx context.Context, pool *pgxpool.Pool) (*Result, erro
 	defer lock.Release(ctx, c.log)
 
 	res := &Result{}
+	if c.moveDefault {
+		if err := c.moveDefaultRows(ctx, pool, q, res); err != nil {
+			return res, err
+		}
+	}
 	months, err := q.MonthsToCreate(ctx, int32(c.premake))
 	if err != nil {
 		return res, fmt.Errorf("list months to create: %w", err)
@@ -293,6 +321,37 @@ func (c settings) rotate(ctx context.Context, pool *pgxpool.Pool) (*Result, erro
 		return res, ErrIncomplete
 	}
 	return res, nil
+}
+
+// moveDefaultRows moves each month's rows out of the default partition
+// into a partition of that month, one short transaction per month, under
+// rotation's lock (idem.default_months, idem.move_default_month).
+func (c settings) moveDefaultRows(ctx context.Context, pool *pgxpool.Pool, q *pgxdb.Queries, res *Result) error {
+	months, err := q.DefaultMonths(ctx)
+	if err != nil {
+		return fmt.Errorf("list the months in the default partition: %w", err)
+	}
+	for _, m := range months {
+		month := m.Month.Time.Format("2006-01")
+		if m.RowCount > c.maxMoveRows {
+			res.add(ctx, c.log, Step{"move", month, fmt.Sprintf("kept: %d rows in the default partition, more than MaxMoveRows (%d); prune deletes them as they expire", m.RowCount, c.maxMoveRows)})
+			continue
+		}
+		out, err := c.step(ctx, pool, func(q *pgxdb.Queries) (string, error) {
+			n, err := q.MoveDefaultMonth(ctx, pgxdb.MoveDefaultMonthParams{Month: m.Month, MaxRows: c.maxMoveRows})
+			return fmt.Sprintf("moved %d rows", n), err
+		})
+		var pg *pgconn.PgError
+		if errors.As(err, &pg) && pg.Code == sqlstate.TooManyDefaultRows {
+			// More arrived since they were counted: nothing was moved.
+			out, err = "kept: "+pg.Message, nil
+		}
+		if err != nil {
+			return fmt.Errorf("move %s's rows out of the default partition: %w", month, err)
+		}
+		res.add(ctx, c.log, Step{"move", month, out})
+	}
+	return nil
 }
 
 func (r *Result) add(ctx context.Context, log *slog.Logger, s Step) {

@@ -41,7 +41,7 @@ var errPortTaken = errors.New("the port was taken by another process")
 
 // portAttempts bounds how many ports Start and Standby try when another
 // process takes the one chosen before the server binds it.
-const portAttempts = 20
+const portAttempts = 5
 
 // Cluster is a throwaway PostgreSQL cluster owned by this process.
 type Cluster struct {

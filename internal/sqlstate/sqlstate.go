@@ -42,6 +42,9 @@ const (
 	// BatchTooLarge: a batch of more keys than idem's batch calls take
 	// (idem.claim_batch, idem.complete_batch, idem.fail_batch; migration 18).
 	BatchTooLarge = "ID009"
+	// TooManyDefaultRows: a month has more rows in the default partition
+	// than idem.move_default_month was allowed to move (migration 29).
+	TooManyDefaultRows = "ID010"
 )
 
 // PostgreSQL's conditions that idem's functions also raise, with the

@@ -152,3 +152,12 @@ SELECT p.oid::regprocedure::text AS routine
 -- process's cache is told; refused (ID004) while in progress or held by the
 -- inbox. Returns the rows deleted.
 SELECT idem.release(sqlc.arg(source)::text, sqlc.arg(key)::text)::bigint AS released;
+
+-- name: DefaultMonths :many
+-- The months that have rows in the default partition, and how many each.
+SELECT month::date AS month, row_count::bigint AS row_count FROM idem.default_months();
+
+-- name: MoveDefaultMonth :one
+-- Moves a month's rows out of the default partition into the month's new
+-- partition (migration 29); ID010 when there are more than max_rows.
+SELECT idem.move_default_month(sqlc.arg(month)::date, sqlc.arg(max_rows)::bigint)::bigint AS moved;

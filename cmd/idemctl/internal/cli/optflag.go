@@ -72,6 +72,6 @@ var pruneFlagNames = map[string]string{
 func rotateFlagNames(prefix string) map[string]string {
 	return map[string]string{
 		"Premake": "--premake", "Retries": "--retries", "Backoff": "--backoff", "LockTTL": "--" + prefix + "lock-ttl",
-		"LockTimeout": "--lock-timeout", "StatementTimeout": "--statement-timeout",
+		"LockTimeout": "--lock-timeout", "StatementTimeout": "--statement-timeout", "MaxMoveRows": "--max-move-rows",
 	}
 }

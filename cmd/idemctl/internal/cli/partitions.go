@@ -27,6 +27,8 @@ type rotateFlags struct {
 func (r *rotateFlags) register(fs *pflag.FlagSet, prefix string) {
 	optInt(fs, &r.cfg.Premake, "premake", partition.DefaultPremake, "months after the current one that must have a partition, 0 to 24")
 	fs.BoolVar(&r.cfg.KeepDetached, "keep-detached", false, "retire months by DETACH (keep the table) instead of DROP")
+	fs.BoolVar(&r.cfg.MoveDefault, "move-default", false, "move the rows that landed in the default partition into partitions of their months (claims of those months wait while a month's rows are copied)")
+	optInt64(fs, &r.cfg.MaxMoveRows, "max-move-rows", "50000", "with --move-default: leave a month with more rows than this in the default partition")
 	optInt(fs, &r.cfg.Retries, "retries", partition.DefaultRetries, "retries of a step that timed out on a lock (doubling backoff); 0: none")
 	optDuration(fs, &r.cfg.Backoff, "backoff", partition.DefaultBackoff.String(), "first pause before a retry; 0: none")
 	optDuration(fs, &r.cfg.LockTTL, prefix+"lock-ttl", "the database's, idem.lock_ttl('rotate'): 10m", "lease of the rotate lock")
@@ -36,7 +38,7 @@ func newPartitionsCmd(a *app) *cobra.Command {
 	var r rotateFlags
 	cmd := &cobra.Command{
 		Use:   "partitions rotate|list",
-		Short: "monthly partitions: rotate (premake, retire, recover default rows) | list",
+		Short: "monthly partitions: rotate (premake, retire; --move-default: move default-partition rows into their months) | list",
 		Example: `  idemctl partitions rotate --premake 3
   idemctl partitions list --json`,
 		Args: cobra.ArbitraryArgs,
@@ -44,8 +46,8 @@ func newPartitionsCmd(a *app) *cobra.Command {
 	}
 	rotate := &cobra.Command{
 		Use:     "rotate",
-		Short:   "premake months, move default-partition rows, retire expired months",
-		Example: "  idemctl partitions rotate\n  idemctl partitions rotate --premake 6 --keep-detached --fail-if-locked",
+		Short:   "premake months and retire expired ones; with --move-default, move the default partition's rows into their months",
+		Example: "  idemctl partitions rotate\n  idemctl partitions rotate --move-default --max-move-rows 100000\n  idemctl partitions rotate --premake 6 --keep-detached --fail-if-locked",
 		Args:    noArgs("partitions rotate"),
 		RunE: func(c *cobra.Command, _ []string) error {
 			if err := refuseFlags(c, "json"); err != nil {
@@ -66,7 +68,7 @@ func newPartitionsCmd(a *app) *cobra.Command {
 		Example: "  idemctl partitions list\n  idemctl partitions list --json",
 		Args:    noArgs("partitions list"),
 		RunE: func(c *cobra.Command, _ []string) error {
-			if err := refuseFlags(c, "premake", "keep-detached", "retries", "backoff", "lock-ttl", "fail-if-locked"); err != nil {
+			if err := refuseFlags(c, "premake", "keep-detached", "move-default", "max-move-rows", "retries", "backoff", "lock-ttl", "fail-if-locked"); err != nil {
 				return err
 			}
 			return a.runPartitions("list", r, asJSON)

@@ -202,3 +202,120 @@ func TestRotationGivesWayToALongTransaction(t *testing.T) {
 		t.Fatalf("rotation after the long transaction: %+v %v", res, err)
 	}
 }
+
+// TestMoveDefaultRows: claims landed in the default partition while the
+// current month had no partition. rotate --move-default, run by the
+// maintainer in a database with a non-ISO DateStyle and a non-UTC
+// TimeZone while the application role claims new keys of the month and
+// redelivers the stranded ones, moves them into the month's new partition:
+// every key stays answered (each stranded key a duplicate, never acquired
+// again), the default partition is left empty, and later claims land in
+// the month. A month with more rows than --max-move-rows is left as it is.
+func TestMoveDefaultRows(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url, maintURL, app, admin := hostileDatabase(t)
+	now := time.Now()
+	if _, err := admin.Exec(ctx, `DROP TABLE idem.processed_events_`+pname(monthStart(now, 0))); err != nil {
+		t.Fatal(err)
+	}
+	const stranded = 20_000
+	seedRows(t, admin, "stray-", monthStart(now, 0), stranded, false, false)
+	seedRows(t, admin, "far-", monthStart(now, 9), 30, false, false) // a month rotation does not premake
+
+	appPool := testdb.Pool(t, testdb.AsUser(url, app), 8)
+	stop := make(chan struct{})
+	type tally struct {
+		acquired map[string]int
+		dupes    int
+		worst    time.Duration
+	}
+	results := make(chan tally, 4)
+	for w := range 4 {
+		go func() {
+			r := tally{acquired: map[string]int{}}
+			defer func() { results <- r }()
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				source, key := "stall", fmt.Sprintf("w%d-%d", w, i)
+				if i%2 == 1 { // a redelivery of a stranded key
+					source, key = "seed", fmt.Sprintf("stray-%d", 1+(w*7919+i*104729)%stranded)
+				}
+				start := time.Now()
+				var outcome string
+				if err := appPool.QueryRow(ctx, `SELECT outcome FROM idem.claim($1, $2)`, source, key).Scan(&outcome); err != nil {
+					t.Errorf("claim %s/%s: %v", source, key, err)
+					return
+				}
+				r.worst = max(r.worst, time.Since(start))
+				switch {
+				case outcome == "acquired":
+					r.acquired[source+"/"+key]++
+				case source == "seed":
+					r.dupes++
+				}
+			}
+		}()
+	}
+	time.Sleep(300 * time.Millisecond)
+	r := idemctl(t, ctx, nil, "partitions", "rotate", "--database-url", maintURL, "--move-default", "--lock-timeout", "2s")
+	time.Sleep(300 * time.Millisecond)
+	close(stop)
+	acquired := map[string]int{}
+	var dupes int
+	var worst time.Duration
+	for range 4 {
+		res := <-results
+		for k, n := range res.acquired {
+			acquired[k] += n
+		}
+		dupes += res.dupes
+		worst = max(worst, res.worst)
+	}
+	if r.code != 0 {
+		t.Fatalf("rotate --move-default: %+v", r)
+	}
+	out := strings.Join(strings.Fields(r.out), " ")
+	for _, want := range []string{"move " + monthStart(now, 0).Format("2006-01") + " moved ", "move " + monthStart(now, 9).Format("2006-01") + " moved 30 rows"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("rotate's output lacks %q:\n%s", want, r.out)
+		}
+	}
+	for k, n := range acquired {
+		if strings.HasPrefix(k, "seed/") || n != 1 {
+			t.Errorf("%s acquired %d times", k, n)
+		}
+	}
+	if dupes == 0 {
+		t.Fatal("no stranded key was redelivered during the test")
+	}
+	var inDefault, stray, stall, inMonth int
+	if err := admin.QueryRow(ctx, `SELECT (SELECT count(*) FROM idem.processed_events_default),
+		(SELECT count(*) FROM idem.processed_events WHERE key LIKE 'stray-%'),
+		(SELECT count(*) FROM idem.processed_events WHERE source = 'stall'),
+		(SELECT count(*) FROM idem.processed_events_`+pname(monthStart(now, 0))+`)`).Scan(&inDefault, &stray, &stall, &inMonth); err != nil {
+		t.Fatal(err)
+	}
+	if inDefault != 0 || stray != stranded || stall != len(acquired) || inMonth != stranded+len(acquired) {
+		t.Fatalf("after the move: %d rows in the default partition, %d stranded keys (want %d), %d new keys stored of %d acquired, %d in the month",
+			inDefault, stray, stranded, stall, len(acquired), inMonth)
+	}
+	t.Logf("%d new keys and %d redeliveries during the move; longest claim %s (a bound of the stall, not a benchmark)", len(acquired), dupes, worst)
+
+	// A month with more rows than the bound stays as it is, and says so.
+	if _, err := admin.Exec(ctx, `DROP TABLE idem.processed_events_`+pname(monthStart(now, 1))); err != nil {
+		t.Fatal(err)
+	}
+	seedRows(t, admin, "big-", monthStart(now, 1), 11, false, false)
+	r = idemctl(t, ctx, nil, "partitions", "rotate", "--database-url", maintURL, "--move-default", "--max-move-rows", "10")
+	if r.code != 0 || !strings.Contains(r.out, "kept: 11 rows in the default partition, more than MaxMoveRows (10)") {
+		t.Fatalf("rotate --move-default over the bound: %+v", r)
+	}
+	if r := idemctl(t, ctx, nil, "partitions", "rotate", "--database-url", maintURL, "--max-move-rows", "0"); r.code != ExitUsage || !strings.Contains(r.errout, "--max-move-rows 0 is out of range") {
+		t.Fatalf("--max-move-rows 0: %+v", r)
+	}
+}
