@@ -15,9 +15,11 @@ import (
 
 // Runs is an http.Handler that counts, per event, how often the handler it
 // wraps started, and then calls it. An event is what the idemhttp presets
-// take for one: a Standard Webhooks (or Svix) message by its id, any other
-// delivery by its body, so that a redelivery, and a GitHub or Shopify copy
-// under a fresh delivery id, count as the same event.
+// take for one: a Standard Webhooks (or Svix) message by its id, an Adyen
+// notification by its items' keys (its handler gets their signed fields
+// only), any other delivery by its body, so that a redelivery, and a
+// GitHub or Shopify copy under a fresh delivery id, count as the same
+// event.
 //
 // Put it where your handler is: inside idemhttp's middleware, or as the
 // handler an inbox runs (inbox.FromHTTP, Inbox.HTTP), where runs happen
