@@ -1,6 +1,7 @@
 package idemhttp
 
 import (
+	"bytes"
 	"crypto/hmac"
 	"encoding/base64"
 	"encoding/hex"
@@ -39,7 +40,6 @@ type adyenItem struct {
 // objects, and builds the body of some of them.
 func adyenItems(body []byte) ([]json.RawMessage, func([]json.RawMessage) []byte, error) {
 	var n struct {
-		Live              json.RawMessage `json:"live"`
 		NotificationItems []struct {
 			Item json.RawMessage `json:"NotificationRequestItem"`
 		} `json:"notificationItems"`
@@ -57,13 +57,61 @@ func adyenItems(body []byte) ([]json.RawMessage, func([]json.RawMessage) []byte,
 		}
 		items[i] = it.Item
 	}
-	live := n.Live
-	if len(live) == 0 {
-		live = json.RawMessage(`null`)
-	}
 	return items, func(fresh []json.RawMessage) []byte {
-		return joinRaw(`{"live":`+string(live)+`,"notificationItems":[`, fresh, `]}`, `{"NotificationRequestItem":`, `}`)
+		signed := make([]json.RawMessage, len(fresh))
+		for i, raw := range fresh {
+			signed[i] = adyenSignedOnly(raw)
+		}
+		return joinRaw(`{"notificationItems":[`, signed, `]}`, `{"NotificationRequestItem":`, `}`)
 	}, nil
+}
+
+// adyenSignedFields are the fields of a NotificationRequestItem its HMAC
+// covers, amount (its value and currency) apart.
+var adyenSignedFields = []string{"pspReference", "originalReference", "merchantAccountCode", "merchantReference", "eventCode", "success"}
+
+// adyenSignedOnly is a verified NotificationRequestItem with only what its
+// HMAC covers: the eight signed fields, each as delivered, and
+// additionalData.hmacSignature (so the item still verifies with Adyen's
+// own validateHMAC). Everything else (reason, paymentMethod, eventDate,
+// operations, the rest of additionalData) is not signed: anyone holding
+// one delivery can change it, and after a failed first attempt such a
+// copy can win the item's key, so the handler never sees it
+// (docs/senders.md, "Adyen: only what is signed").
+func adyenSignedOnly(raw json.RawMessage) json.RawMessage {
+	var it map[string]json.RawMessage
+	if json.Unmarshal(raw, &it) != nil {
+		return raw // not reached: the verifier read the same item
+	}
+	out := map[string]any{}
+	for _, k := range adyenSignedFields {
+		if v, ok := it[k]; ok {
+			out[k] = v
+		}
+	}
+	var amount map[string]json.RawMessage
+	if json.Unmarshal(it["amount"], &amount) == nil && amount != nil {
+		kept := map[string]json.RawMessage{}
+		for _, k := range []string{"value", "currency"} {
+			if v, ok := amount[k]; ok {
+				kept[k] = v
+			}
+		}
+		out["amount"] = kept
+	}
+	var extra map[string]json.RawMessage
+	if json.Unmarshal(it["additionalData"], &extra) == nil {
+		if sig, ok := extra["hmacSignature"]; ok {
+			out["additionalData"] = map[string]json.RawMessage{"hmacSignature": sig}
+		}
+	}
+	var b bytes.Buffer
+	enc := json.NewEncoder(&b)
+	enc.SetEscapeHTML(false) // the values' bytes as delivered
+	if enc.Encode(out) != nil {
+		return raw
+	}
+	return bytes.TrimRight(b.Bytes(), "\n")
 }
 
 // AdyenVerifier verifies the HMAC signature of every NotificationRequestItem
@@ -121,8 +169,12 @@ func AdyenVerifier(hmacKeys ...string) (Verifier, error) {
 // (AdyenVerifier), then deduplicates each item on its eventCode,
 // pspReference and success, as Adyen's guide says to (a later success
 // "true" for the same event is a new one), with eventCode as the type.
-// The handler gets the notification with only the items not processed
-// before; a notification whose items all ran before is answered
+// The handler gets a notification ({"notificationItems": [...]}) with only
+// the items not processed before, and of each only what its HMAC covers
+// (adyenSignedOnly): reason, paymentMethod, eventDate, operations, the
+// rest of additionalData and the notification's "live" are not signed and
+// never reach the handler; read them from Adyen's API by pspReference if
+// the handler needs them. A notification whose items all ran before is answered
 // "[accepted]", the acknowledgement Adyen expects (the handler must
 // answer it too). Asynchronous mode is not supported.
 func Adyen(hmacKeys ...string) Preset {

@@ -19,9 +19,10 @@
 // Presets verify and extract the key the way real senders sign and send
 // it: Stripe (event id in the body), GitHub (X-GitHub-Delivery), Shopify
 // (X-Shopify-Event-Id), Standard Webhooks / Svix (webhook-id or svix-id,
-// whichever the signature covers), and seventeen more: Twilio, Slack,
+// whichever the signature covers), and nineteen more: Twilio, Slack,
 // Square, Paddle, SendGrid, HubSpot, GitLab, Linear, Zoom, PagerDuty,
-// Discord, Twitch, Typeform, Intercom, WooCommerce, Bitbucket and Adyen, with
+// Discord, Twitch, Typeform, Intercom, WooCommerce, Bitbucket, Adyen,
+// Mailgun and Calendly, with
 // their handshakes (answered by the preset), URL-covering signatures
 // (PublicURL) and multi-event deliveries (a key per event);
 // docs/senders.md says, per sender, what the signature proves and where

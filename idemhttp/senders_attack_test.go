@@ -32,7 +32,7 @@ func TestSenderPresetsRefuseBadKeys(t *testing.T) {
 		"slack": idemhttp.Slack, "zoom": idemhttp.Zoom, "twitch": idemhttp.Twitch, "discord": idemhttp.Discord,
 		"paddle": idemhttp.Paddle, "pagerduty": idemhttp.PagerDuty, "typeform": idemhttp.Typeform, "intercom": idemhttp.Intercom,
 		"woocommerce": idemhttp.WooCommerce, "bitbucket": idemhttp.Bitbucket, "gitlab": idemhttp.GitLab, "linear": idemhttp.Linear,
-		"sendgrid": idemhttp.SendGrid, "adyen": idemhttp.Adyen,
+		"sendgrid": idemhttp.SendGrid, "adyen": idemhttp.Adyen, "mailgun": idemhttp.Mailgun, "calendly": idemhttp.Calendly,
 		"twilio":  func(s ...string) idemhttp.Preset { return idemhttp.Twilio(idemhttp.PublicURL{}, s...) },
 		"square":  func(s ...string) idemhttp.Preset { return idemhttp.Square(idemhttp.PublicURL{}, s...) },
 		"hubspot": func(s ...string) idemhttp.Preset { return idemhttp.HubSpot(idemhttp.PublicURL{}, s...) },
@@ -79,6 +79,7 @@ func TestSenderPresetsRefuseRepeatedHeaders(t *testing.T) {
 		{"slack", "X-Slack-Signature"}, {"zoom", "x-zm-request-timestamp"}, {"twitch", "Twitch-Eventsub-Message-Id"},
 		{"discord", "X-Signature-Ed25519"}, {"paddle", "Paddle-Signature"}, {"linear", "Linear-Signature"},
 		{"sendgrid", "X-Twilio-Email-Event-Webhook-Signature"}, {"gitlab", "X-Gitlab-Token"}, {"twilio", "X-Twilio-Signature"},
+		{"calendly", "Calendly-Webhook-Signature"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var runs atomic.Int32

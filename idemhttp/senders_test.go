@@ -119,6 +119,12 @@ var senderCases = []senderCase{
 		s := idemtest.SendGrid()
 		return s, idemhttp.SendGrid(s.VerificationKey(""))
 	}},
+	{name: "mailgun", make: func(string) (*idemtest.Sender, idemhttp.Preset) {
+		return idemtest.Mailgun(presetSecret), idemhttp.Mailgun(presetSecret)
+	}},
+	{name: "calendly", make: func(string) (*idemtest.Sender, idemhttp.Preset) {
+		return idemtest.Calendly(presetSecret), idemhttp.Calendly(presetSecret)
+	}},
 }
 
 // lateHandler lets a server start before the handler that needs its URL.

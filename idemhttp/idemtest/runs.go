@@ -3,20 +3,25 @@ package idemtest
 import (
 	"bytes"
 	"crypto/sha256"
+	"encoding/json"
 	"io"
 	"net/http"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/idemkit/idem"
 )
 
 // Runs is an http.Handler that counts, per event, how often the handler it
 // wraps started, and then calls it. An event is what the idemhttp presets
 // take for one: a Standard Webhooks (or Svix) message by its id, a Twilio
 // request by its I-Twilio-Idempotency-Token (Twilio sends one signed
-// request as two events: a caller pressing the same key twice), any other
-// delivery by its body, so that a redelivery, and a GitHub or Shopify copy
-// under a fresh delivery id, count as the same event.
+// request as two events: a caller pressing the same key twice), an Adyen
+// notification by its items' keys (its handler gets their signed fields
+// only), any other delivery by its body, so that a redelivery, and a
+// GitHub or Shopify copy under a fresh delivery id, count as the same
+// event.
 //
 // Put it where your handler is: inside idemhttp's middleware, or as the
 // handler an inbox runs (inbox.FromHTTP, Inbox.HTTP), where runs happen
@@ -69,7 +74,30 @@ func eventOf(h http.Header, body []byte) [32]byte {
 			return sha256.Sum256([]byte(id + ":" + v))
 		}
 	}
+	if k := adyenItemsKey(body); k != "" {
+		return sha256.Sum256([]byte("adyen:" + k))
+	}
 	return sha256.Sum256(body)
+}
+
+// adyenItemsKey identifies an Adyen notification by its items' keys
+// (eventCode, pspReference, success: what the preset keys each by), since
+// the preset hands the handler only the signed fields of each item, not
+// the delivered bytes; "" for any other body.
+func adyenItemsKey(body []byte) string {
+	var n struct {
+		NotificationItems []struct {
+			Item struct{ EventCode, PspReference, Success string } `json:"NotificationRequestItem"`
+		} `json:"notificationItems"`
+	}
+	if json.Unmarshal(body, &n) != nil || len(n.NotificationItems) == 0 {
+		return ""
+	}
+	keys := make([]string, len(n.NotificationItems))
+	for i, it := range n.NotificationItems {
+		keys[i] = idem.JoinKey(it.Item.EventCode, it.Item.PspReference, it.Item.Success)
+	}
+	return idem.JoinKey(keys[0], keys[1:]...)
 }
 
 // Total returns how often the handler ran, for all events.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/ed25519"
 	"encoding/hex"
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
@@ -12,6 +13,8 @@ import (
 
 	"github.com/PagerDuty/go-pagerduty/webhookv3"
 	"github.com/bwmarrin/discordgo"
+	"github.com/mailgun/mailgun-go/v5"
+	"github.com/mailgun/mailgun-go/v5/mtypes"
 	"github.com/sendgrid/sendgrid-go/helpers/eventwebhook"
 	"github.com/slack-go/slack"
 	"github.com/twilio/twilio-go/client"
@@ -99,6 +102,20 @@ var officialCases = []officialCase{
 			}
 			_, _ = sv.Write(d.Body)
 			return sv.Ensure() == nil
+		}},
+	{name: "mailgun", // github.com/mailgun/mailgun-go/v5 v5.17.0, VerifyWebhookSignature (Mailgun publishes no signer: idemtest signs as its guide says)
+		make: func(string) (*idemtest.Sender, idemhttp.Preset) {
+			return idemtest.Mailgun(secret), idemhttp.Mailgun(secret)
+		},
+		accepts: func(t *testing.T, _ *idemtest.Sender, d *idemtest.Delivery, _ string) bool {
+			var p mtypes.WebhookPayload
+			if err := json.Unmarshal(d.Body, &p); err != nil {
+				t.Fatal(err)
+			}
+			mg := mailgun.NewMailgun("key-not-used")
+			mg.SetWebhookSigningKey(secret)
+			ok, err := mg.VerifyWebhookSignature(p.Signature)
+			return err == nil && ok
 		}},
 	{name: "discord", // github.com/bwmarrin/discordgo v0.29.0, VerifyInteraction (Discord publishes no Go SDK)
 		make: func(string) (*idemtest.Sender, idemhttp.Preset) {
