@@ -135,7 +135,11 @@ type Config struct {
 	// principals is two keys, and one principal's stored answer never
 	// reaches another. An error answers 401 problem+json and claims
 	// nothing (a request whose principal is unknown); "" is no principal:
-	// the key as it is, shared with every request without one (Unscoped).
+	// idem.ScopeKey("", key) ("|" and the key), a space shared by every
+	// request without one and never met by any principal's keys, whatever
+	// bytes a key holds. Unscoped itself keeps keys as they are (no
+	// request of its endpoint has a principal). The handler reads the
+	// principal with Principal(r.Context()), in both modes.
 	//
 	// Required with the default Key (the Idempotency-Key header, chosen
 	// by each client): New refuses a Config without it (ErrScopeRequired);
