@@ -6,9 +6,11 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/idemhttp"
 	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/testdb"
@@ -23,7 +25,8 @@ import (
 // matched none of the method patterns, reached the handler with no path
 // value and no principal, and the update was never made.
 //
-// A job accepted by an earlier version (its arguments without "method" or
+// A dead letter replayed is replayed the same way. A job accepted by an
+// earlier version (its arguments without "method" or
 // "principal", as that version wrote them) is still read and replayed,
 // as POST at its target, as it was then.
 func TestFromHTTPMethodAndPrincipal(t *testing.T) {
@@ -31,9 +34,14 @@ func TestFromHTTPMethodAndPrincipal(t *testing.T) {
 	_, pool := setup(t)
 	type seen struct{ method, id, principal, body, pattern string }
 	got := make(chan seen, 10)
+	var failed atomic.Bool
 	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		body, _ := io.ReadAll(r.Body)
 		got <- seen{r.Method, r.PathValue("id"), idemhttp.Principal(r.Context()), string(body), r.Pattern}
+		if strings.Contains(string(body), "fail") && failed.CompareAndSwap(false, true) {
+			http.Error(w, "failing once", http.StatusInternalServerError)
+			return
+		}
 		if r.PathValue("id") == "" || idemhttp.Principal(r.Context()) == "" {
 			http.Error(w, "no order id or no principal", http.StatusBadRequest)
 			return
@@ -70,9 +78,10 @@ func TestFromHTTPMethodAndPrincipal(t *testing.T) {
 	t.Cleanup(srv.Close)
 	start(t, in, 2, nil)
 
-	for _, m := range []string{"PATCH", "PUT", "DELETE"} {
-		req, _ := http.NewRequest(m, srv.URL+"/orders/42", strings.NewReader(`{"qty":2,"via":"`+m+`"}`))
-		req.Header.Set("Idempotency-Key", "k-"+m)
+	send := func(method, path, key, body string) {
+		t.Helper()
+		req, _ := http.NewRequest(method, srv.URL+path, strings.NewReader(body))
+		req.Header.Set("Idempotency-Key", key)
 		req.Header.Set("Authorization", "Bearer alice")
 		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
@@ -80,18 +89,25 @@ func TestFromHTTPMethodAndPrincipal(t *testing.T) {
 		}
 		resp.Body.Close()
 		if resp.StatusCode != http.StatusAccepted {
-			t.Fatalf("%s: %d, want 202", m, resp.StatusCode)
+			t.Fatalf("%s %s: %d, want 202", method, path, resp.StatusCode)
 		}
+	}
+	reached := func(want seen) {
+		t.Helper()
 		select {
 		case s := <-got:
-			want := seen{m, "42", "alice", `{"qty":2,"via":"` + m + `"}`, m + " /orders/{id}"}
 			if s != want {
-				t.Fatalf("%s /orders/42 reached the handler as %+v, want %+v", m, s, want)
+				t.Fatalf("the request reached the handler as %+v, want %+v", s, want)
 			}
 		case <-time.After(30 * time.Second):
 			dead, _ := in.DeadLetters(context.Background(), inbox.Filter{})
-			t.Fatalf("%s never reached the handler; dead letters %+v", m, dead)
+			t.Fatalf("%+v never reached the handler; dead letters %+v", want, dead)
 		}
+	}
+	for _, m := range []string{"PATCH", "PUT", "DELETE"} {
+		body := `{"qty":2,"via":"` + m + `"}`
+		send(m, "/orders/42", "k-"+m, body)
+		reached(seen{m, "42", "alice", body, m + " /orders/{id}"})
 	}
 	waitFor(t, "the three events processed", func() bool {
 		return count(t, pool, `SELECT count(*) FROM idem.processed_events WHERE source = 'orders' AND status = 'completed'`) == 3
@@ -101,6 +117,17 @@ func TestFromHTTPMethodAndPrincipal(t *testing.T) {
 	if n := count(t, pool, `SELECT count(*) FROM river_job WHERE args->>'principal' = 'alice' AND args ? 'method'`); n != 3 {
 		t.Fatalf("%d jobs keep their method and principal", n)
 	}
+	// A dead letter replayed is the same request again.
+	send("PUT", "/orders/43", "k-fail", `{"fail":true}`)
+	reached(seen{"PUT", "43", "alice", `{"fail":true}`, "PUT /orders/{id}"})
+	waitFor(t, "the dead letter", func() bool {
+		dead, err := in.DeadLetters(context.Background(), inbox.Filter{Source: "orders"})
+		return err == nil && len(dead) == 1
+	})
+	if res, err := in.Replay(context.Background(), inbox.Filter{Source: "orders", Key: idem.ScopeKey("alice", "k-fail")}); err != nil || len(res) != 1 {
+		t.Fatalf("replay: %+v %v", res, err)
+	}
+	reached(seen{"PUT", "43", "alice", `{"fail":true}`, "PUT /orders/{id}"})
 	if n := count(t, pool, `SELECT count(*) FROM river_job WHERE args::text LIKE '%Bearer%'`); n != 0 {
 		t.Fatalf("%d jobs hold the credential", n)
 	}
