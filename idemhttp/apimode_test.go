@@ -246,3 +246,32 @@ func TestCompressedAnswerReplays(t *testing.T) {
 		t.Fatalf("the handler ran %d times for 6 keys", n)
 	}
 }
+
+// TestUnscopedKeysAsTheyAre: with Scope set to Unscoped no request has a
+// principal, so there is no principal's space to keep apart: keys are
+// stored as they are, as before (idemctl release --key finds them, and
+// retries across the upgrade are answered), while a Scope of the
+// application's that returns "" keys "|" and the key.
+func TestUnscopedKeysAsTheyAre(t *testing.T) {
+	t.Parallel()
+	ok := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "done") })
+	for _, tc := range []struct {
+		name   string
+		scope  func(*http.Request) (string, error)
+		stored string
+	}{
+		{"Unscoped", idemhttp.Unscoped, "a|b"},
+		{"a Scope returning \"\"", func(*http.Request) (string, error) { return "", nil }, "|a|b"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			srv, pool := setup(t, idemhttp.Config{Scope: tc.scope}, ok)
+			if r := send(t, srv, "POST", "/x", "{}", key("a|b")); r.status != http.StatusOK {
+				t.Fatalf("%d %s", r.status, r.body)
+			}
+			if st, err := testdb.Client(t, pool, nil).Peek(context.Background(), "api", tc.stored); err != nil || st != "completed" {
+				t.Fatalf("key %q: %q %v", tc.stored, st, err)
+			}
+		})
+	}
+}
