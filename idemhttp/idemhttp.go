@@ -701,10 +701,11 @@ func (m *middleware) panicked(w http.ResponseWriter, r *http.Request, key string
 	return AnswerPanicked
 }
 
-// representationHeaders (Content-Type, Content-Encoding, Content-Language,
-// Content-Location, Content-Range, Vary) are the response headers every stored answer
-// keeps and every replay sends, whatever Config.ReplayHeaders says: the
-// body's bytes mean what they mean only with them. Content-Encoding above
+// representationHeaders (Content-Type, Content-Encoding,
+// Content-Language, Content-Location, Content-Range, Vary) are the
+// response headers every stored answer keeps and every replay sends,
+// whatever Config.ReplayHeaders says: the body's bytes mean what they
+// mean only with them. Content-Encoding above
 // all: an answer compressed by a middleware inside idem, or by an upstream
 // behind a reverse proxy, is stored as it was sent (compressed), and a
 // replay without it would hand the client gzip bytes as its JSON. The
