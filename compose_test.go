@@ -34,7 +34,7 @@ func splitKey(s string, sep byte) []string {
 // not (a hashed effect key never equals a plain one).
 func FuzzCompositeKeys(f *testing.F) {
 	for _, s := range [][4]string{{"a:b", "c", "a", "b:c"}, {"a\\", ":c", "a", "\\:c"}, {"", "", ":", ""},
-		{"a|b", "c", "a", "b|c"}, {"sha256:" + strings.Repeat("ab", 32), "x", strings.Repeat("k", 510), "y"}} {
+		{"a|b", "c", "a", "b|c"}, {"", "alice|order-1", "alice", "order-1"}, {"sha256:" + strings.Repeat("ab", 32), "x", strings.Repeat("k", 510), "y"}} {
 		f.Add(s[0], s[1], s[2], s[3], uint8(2), uint8(2))
 	}
 	f.Fuzz(func(t *testing.T, a, b, c, d string, n, m uint8) {
@@ -73,6 +73,7 @@ func TestCompositeKeysKeepTheirEncoding(t *testing.T) {
 		{idem.JoinKey("urn:x", "1"), `urn\:x:1`},
 		{idem.ScopeKey("c:0123abcd", "k|1"), "c:0123abcd|k|1"},
 		{idem.ScopeKey("a|b", "c"), `a\|b|c`},
+		{idem.ScopeKey("", "alice|order-1"), "|alice|order-1"}, // no principal: never "alice|order-1"
 	} {
 		if tc.got != tc.want {
 			t.Errorf("got %q, want %q", tc.got, tc.want)

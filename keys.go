@@ -129,7 +129,10 @@ func appendKeyPart(b []byte, part string, sep byte) []byte {
 // it is, as before; one that does is escaped (JoinKey's rule with "|" as
 // the separator), so the first unescaped "|" always ends the scope and
 // two (scope, key) pairs never give one key. The key itself is not
-// escaped: it is the rest of the string.
+// escaped: it is the rest of the string. The empty scope (no principal)
+// is a scope like the others: ScopeKey("", "a|b") is "|a|b", and no
+// other scope's key starts with an unescaped "|", so keys without a
+// principal never meet a principal's, whatever bytes they hold.
 func ScopeKey(scope, key string) string {
 	b := appendKeyPart(make([]byte, 0, len(scope)+len(key)+3), scope, '|')
 	return string(append(append(b, '|'), key...))

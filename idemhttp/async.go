@@ -27,12 +27,16 @@ type Delivery struct {
 	// the key, with Key as its fingerprint, and treat a mismatch as a
 	// duplicate (a copy of the delivery under another delivery id).
 	GuardSource, GuardKey string
-	// Target is the request target the delivery arrived at, its path and
-	// query (RequestTarget); Host its Host; Pattern the http.ServeMux
-	// pattern that routed it ("" under another router). The inbox replays
-	// the delivery to its handler at the same target, through the same
-	// pattern, so the handler reads the same URL, query and r.PathValue.
-	Target, Host, Pattern string
+	// Method is the request's method; Target the request target the
+	// delivery arrived at, its path and query (RequestTarget); Host its
+	// Host; Pattern the http.ServeMux pattern that routed it ("" under
+	// another router). The inbox replays the delivery to its handler as
+	// the same method at the same target, through the same pattern, so
+	// the handler reads the same method, URL, query and r.PathValue.
+	Method, Target, Host, Pattern string
+	// Principal is what Config.Scope named for the request ("" none):
+	// kept with the delivery and handed to the handler (Principal).
+	Principal string
 }
 
 // RequestTarget returns r's path and query as a storable text: the path

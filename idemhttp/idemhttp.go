@@ -104,6 +104,11 @@ type Config struct {
 	MaxResponseBody int
 	// ReplayHeaders are the response headers stored and replayed.
 	// Default: Content-Type, Content-Language, Location, Cache-Control, ETag.
+	// Whatever it says, the headers the body's bytes are read by
+	// (Content-Type, Content-Encoding, Content-Language,
+	// Content-Location, Content-Range and Vary) are stored and replayed
+	// too: a gzip-encoded answer replays with its Content-Encoding, as
+	// the client first read it.
 	ReplayHeaders []string
 	// Verify checks the delivery's signature before anything is claimed
 	// (presets set it from their secrets). A delivery that fails is
@@ -131,7 +136,11 @@ type Config struct {
 	// principals is two keys, and one principal's stored answer never
 	// reaches another. An error answers 401 problem+json and claims
 	// nothing (a request whose principal is unknown); "" is no principal:
-	// the key as it is, shared with every request without one (Unscoped).
+	// idem.ScopeKey("", key) ("|" and the key), a space shared by every
+	// request without one and never met by any principal's keys, whatever
+	// bytes a key holds. Unscoped itself keeps keys as they are (no
+	// request of its endpoint has a principal). The handler reads the
+	// principal with Principal(r.Context()), in both modes.
 	//
 	// Required with the default Key (the Idempotency-Key header, chosen
 	// by each client): New refuses a Config without it (ErrScopeRequired);
@@ -340,6 +349,7 @@ func New(cfg Config) (func(http.Handler) http.Handler, error) {
 	if cfg.ReplayHeaders == nil {
 		cfg.ReplayHeaders = []string{"Content-Type", "Content-Language", "Location", "Cache-Control", "ETag"}
 	}
+	cfg.ReplayHeaders = withRepresentation(cfg.ReplayHeaders)
 	if cfg.Store == nil {
 		cfg.Store = StoreIETF
 		if cfg.sender != "" {
@@ -356,13 +366,14 @@ func New(cfg Config) (func(http.Handler) http.Handler, error) {
 		return nil, err
 	}
 	return func(next http.Handler) http.Handler {
-		return &middleware{cfg: cfg, next: next, unscopedWarning: new(sync.Once)}
+		return &middleware{cfg: cfg, next: next, unscoped: isUnscoped(cfg.Scope), unscopedWarning: new(sync.Once)}
 	}, nil
 }
 
 type middleware struct {
 	cfg             Config
 	next            http.Handler
+	unscoped        bool       // Config.Scope is Unscoped: keys as they are
 	unscopedWarning *sync.Once // warnUnscoped
 }
 
@@ -436,15 +447,20 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request) Answer {
 			detail: "This endpoint requires an idempotency key (the Idempotency-Key header, or the sender's delivery id)."})
 		return AnswerBadRequest
 	}
-	key, ok = m.scoped(w, r, key)
+	rawKey := key
+	key, principal, ok := m.scoped(w, r, key)
 	if !ok {
 		return AnswerRefused
 	}
-	key = m.legacyKey(r, key)
+	key = m.legacyKey(r, key, rawKey, principal)
+	if principal != "" {
+		r = r.WithContext(WithPrincipal(r.Context(), principal))
+	}
 	if m.cfg.Async != nil {
 		d := &Delivery{Source: m.cfg.Source, Key: key, EventType: eventType,
 			Fingerprint: m.cfg.Fingerprint(r, body), Body: body, Header: m.keep(r.Header),
-			TTL: m.cfg.TTL, Lease: m.cfg.Lease, Target: RequestTarget(r), Host: r.Host, Pattern: r.Pattern}
+			TTL: m.cfg.TTL, Lease: m.cfg.Lease, Method: r.Method, Target: RequestTarget(r), Host: r.Host, Pattern: r.Pattern,
+			Principal: principal}
 		if m.cfg.guardBody {
 			d.GuardSource, d.GuardKey = m.cfg.Source+GuardSuffix, GuardKey(eventType, body)
 		}
@@ -691,6 +707,34 @@ func (m *middleware) panicked(w http.ResponseWriter, r *http.Request, key string
 		detail: "The request failed; retry it.",
 		level:  slog.LevelError, msg: "idemhttp: handler panicked; the key was released", key: key, cause: err})
 	return AnswerPanicked
+}
+
+// representationHeaders (Content-Type, Content-Encoding,
+// Content-Language, Content-Location, Content-Range, Vary) are the
+// response headers every stored answer keeps and every replay sends,
+// whatever Config.ReplayHeaders says: the body's bytes mean what they
+// mean only with them. Content-Encoding above
+// all: an answer compressed by a middleware inside idem, or by an upstream
+// behind a reverse proxy, is stored as it was sent (compressed), and a
+// replay without it would hand the client gzip bytes as its JSON. The
+// body is stored as sent, never decoded, so that the replay is the first
+// answer byte for byte (its Content-Length and ETag included); Vary goes
+// with it, so that a cache between idem and the client keeps a compressed
+// replay from clients that did not ask for it.
+var representationHeaders = []string{"Content-Type", "Content-Encoding", "Content-Language", "Content-Location", "Content-Range", "Vary"}
+
+// withRepresentation returns names with every representationHeaders name
+// it lacks appended (a new slice: the caller's is not written).
+func withRepresentation(names []string) []string {
+	out := make([]string, 0, len(names)+len(representationHeaders))
+	seen := map[string]bool{}
+	for _, n := range append(append([]string(nil), names...), representationHeaders...) {
+		if c := http.CanonicalHeaderKey(n); !seen[c] {
+			seen[c] = true
+			out = append(out, n)
+		}
+	}
+	return out
 }
 
 // storedLimit is the largest stored answer's JSON, with 8 bytes per JSON

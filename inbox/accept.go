@@ -87,7 +87,7 @@ func (in *Inbox) AcceptTx(ctx context.Context, tx pgx.Tx, d *Delivery) (Acceptan
 		Source: d.Source, Key: d.Key, EventType: d.EventType, Payload: d.Payload, Header: d.Header,
 		AcceptedAt: accepted.UTC(), TTLMillis: d.TTL.Milliseconds(), LeaseMillis: d.Lease.Milliseconds(),
 		MaxAttempts: in.maxAttempts(d.Source),
-		Target:      d.Target, Host: d.Host, Pattern: d.Pattern,
+		Method:      d.Method, Target: d.Target, Host: d.Host, Pattern: d.Pattern, Principal: d.Principal,
 	})
 	if err != nil {
 		return Acceptance{}, err
@@ -97,13 +97,15 @@ func (in *Inbox) AcceptTx(ctx context.Context, tx pgx.Tx, d *Delivery) (Acceptan
 
 // checkStorable refuses, with idem.ErrInvalidInput, a delivery whose texts
 // its job could not store (River keeps a job's arguments as jsonb, which
-// holds no NUL): its request target, host and route pattern (also refused
+// holds no NUL): its method, request target, host, route pattern and
+// principal (also refused
 // when not UTF-8; idemhttp's are always storable) and kept headers. A
 // header value that is not UTF-8 (a Latin-1 User-Agent, which HTTP allows)
 // is kept with U+FFFD in place of each invalid byte, as encoding/json
 // writes it, rather than refusing the delivery for it.
 func checkStorable(d *Delivery) error {
-	for what, s := range map[string]string{"request target": d.Target, "host": d.Host, "route pattern": d.Pattern} {
+	for what, s := range map[string]string{"method": d.Method, "request target": d.Target, "host": d.Host,
+		"route pattern": d.Pattern, "principal": d.Principal} {
 		if err := idem.CheckText(what, s); err != nil {
 			return err
 		}

@@ -19,30 +19,42 @@ import (
 func (in *Inbox) AcceptDelivery(ctx context.Context, d *idemhttp.Delivery) (bool, error) {
 	a, err := in.Accept(ctx, &Delivery{Source: d.Source, Key: d.Key, EventType: d.EventType,
 		Fingerprint: d.Fingerprint, Payload: d.Body, Header: d.Header, AcceptedAt: time.Now(), TTL: d.TTL, Lease: d.Lease,
-		GuardSource: d.GuardSource, GuardKey: d.GuardKey, Target: d.Target, Host: d.Host, Pattern: d.Pattern})
+		GuardSource: d.GuardSource, GuardKey: d.GuardKey, Method: d.Method, Target: d.Target, Host: d.Host, Pattern: d.Pattern,
+		Principal: d.Principal})
 	return a.Duplicate, err
 }
 
 // FromHTTP runs an http.Handler as the inbox's Handler: the delivery is
-// replayed to it as the POST it arrived as: at its request target (path
-// and query) and host, with its payload and kept headers, and, when an
-// http.ServeMux pattern routed it, through that pattern, so that
-// r.PathValue and r.Pattern are what the router gave the original request
-// (other routers' route values are not kept); with the delivery's context
-// (its claim: idem.Client.Effect works inside). A 2xx answer completes the
-// event, storing its status; any other answer is an error, retried with
-// backoff. So the handler a synchronous idemhttp middleware ran can run
-// behind the inbox unchanged. It does not use tx: the handler's writes
-// commit on their own, as they did behind idemhttp.
+// replayed to it as the request it arrived as: its method (a delivery
+// kept before the method was, without one, as POST), at its request
+// target (path and query) and host, with its payload and kept headers,
+// and, when an http.ServeMux pattern routed it, through that pattern, so
+// that r.PathValue and r.Pattern are what the router gave the original
+// request (other routers' route values are not kept); with the delivery's
+// context (its claim: idem.Client.Effect works inside) carrying the
+// principal idemhttp's Config.Scope named (idemhttp.Principal). A 2xx
+// answer completes the event, storing its status; any other answer is an
+// error, retried with backoff. So the handler a synchronous idemhttp
+// middleware ran can run behind the inbox unchanged, as long as it reads
+// its principal with idemhttp.Principal (the application's
+// authentication does not run in the worker). It does not use tx: the
+// handler's writes commit on their own, as they did behind idemhttp.
 func FromHTTP(h http.Handler) Handler {
 	return func(ctx context.Context, _ pgx.Tx, d *Delivery) (any, error) {
 		target := d.Target
 		if target == "" {
 			target = "/"
 		}
-		req, err := http.NewRequestWithContext(ctx, http.MethodPost, "/", bytes.NewReader(d.Payload))
+		method := d.Method
+		if method == "" {
+			method = http.MethodPost
+		}
+		if d.Principal != "" {
+			ctx = idemhttp.WithPrincipal(ctx, d.Principal)
+		}
+		req, err := http.NewRequestWithContext(ctx, method, "/", bytes.NewReader(d.Payload))
 		if err != nil {
-			return nil, err
+			return nil, idem.Permanent(fmt.Errorf("inbox: the delivery's method %q: %w", method, err))
 		}
 		// Parsed as the server parsed it (a path starting with "//" is a
 		// path, not a host).

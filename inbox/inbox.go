@@ -101,13 +101,19 @@ type Delivery struct {
 	// accept's transaction with Key as fingerprint: a copy of the signed
 	// body under another delivery id is a duplicate (idemhttp.GuardKey).
 	GuardSource, GuardKey string
-	// Target is the request target the delivery arrived at (path and
-	// query, idemhttp.RequestTarget), Host its host, Pattern the
-	// http.ServeMux pattern that routed it: stored with its job, so that
-	// FromHTTP replays the request at the same URL, with the route values
-	// (r.PathValue) the router gave it. idemhttp sets them; "" replays at
-	// "/" with no route.
-	Target, Host, Pattern string
+	// Method is the request's method, Target the request target the
+	// delivery arrived at (path and query, idemhttp.RequestTarget), Host
+	// its host, Pattern the http.ServeMux pattern that routed it: stored
+	// with its job, so that FromHTTP replays the request as it arrived, as
+	// the same method at the same URL, with the route values (r.PathValue)
+	// the router gave it. idemhttp sets them; "" replays as POST (what
+	// every delivery was replayed as before the method was kept) at "/"
+	// with no route.
+	Method, Target, Host, Pattern string
+	// Principal is what idemhttp's Config.Scope named for the request ("":
+	// none), stored with its job and handed to FromHTTP's handler
+	// (idemhttp.Principal). An identifier, never a credential.
+	Principal string
 }
 
 // Config configures an Inbox. Pool is required; every other field's zero

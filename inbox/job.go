@@ -39,10 +39,17 @@ type Job struct {
 	// process runs it (idemctl, the dashboard), enqueues the new job with
 	// it. 0 in jobs of earlier versions: their River job's max attempts.
 	MaxAttempts int `json:"max_attempts,omitempty"`
-	// The request the delivery arrived as (Delivery.Target, Host, Pattern).
-	Target  string `json:"target,omitempty"`
-	Host    string `json:"host,omitempty"`
-	Pattern string `json:"pattern,omitempty"`
+	// The request the delivery arrived as (Delivery.Method, Target, Host,
+	// Pattern, Principal). Each is absent from the jobs of the versions
+	// before it, and its zero value is what those versions did: a job
+	// without a method was accepted before the method was kept, and is
+	// replayed as POST, as it was then; one without a principal is
+	// handed none.
+	Method    string `json:"method,omitempty"`
+	Target    string `json:"target,omitempty"`
+	Host      string `json:"host,omitempty"`
+	Pattern   string `json:"pattern,omitempty"`
+	Principal string `json:"principal,omitempty"`
 	// Trace is the trace context of the request that accepted the event,
 	// as the client's tracer wrote it (idem.OpEnqueue's Carrier). It is
 	// kept in the job's River metadata (idem_trace), not its arguments:
@@ -247,7 +254,8 @@ func (w *worker) run(ctx context.Context, job *river.Job[Job], cl *idem.Claim) e
 		_ = tx.Rollback(rctx)
 	}()
 	d := &Delivery{Source: a.Source, Key: a.Key, EventType: a.EventType, Payload: a.Payload, Header: a.Header,
-		AcceptedAt: a.AcceptedAt, Attempt: job.Attempt, Target: a.Target, Host: a.Host, Pattern: a.Pattern}
+		AcceptedAt: a.AcceptedAt, Attempt: job.Attempt, Method: a.Method, Target: a.Target, Host: a.Host, Pattern: a.Pattern,
+		Principal: a.Principal}
 	result, err := call(ctx, h, tx, d)
 	if err != nil {
 		return err

@@ -56,7 +56,7 @@ func (in *Inbox) Middleware(cfg idemhttp.Config) (func(http.Handler) http.Handle
 
 // HandleHTTP is the worker side of the asynchronous setup: a worker of
 // this inbox runs h for each accepted delivery of source (FromHTTP(h):
-// the delivery replayed as the POST it arrived as). source is the
+// the delivery replayed as the request it arrived as). source is the
 // idemhttp.Config's Source (a preset's: "stripe", "github", ...). A
 // worker-only process needs nothing else:
 //
