@@ -148,6 +148,37 @@ func (q *Queries) DefaultPartitionRows(ctx context.Context) (int64, error) {
 	return rows, err
 }
 
+const detachedMonths = `-- name: DetachedMonths :many
+SELECT part::text AS name, drop_pending::boolean AS drop_pending FROM idem.detached_months()
+`
+
+type DetachedMonthsRow struct {
+	Name        string
+	DropPending bool
+}
+
+// Every detached month of schema idem, and whether a drop is pending for
+// it (migration 30).
+func (q *Queries) DetachedMonths(ctx context.Context) ([]DetachedMonthsRow, error) {
+	rows, err := q.db.Query(ctx, detachedMonths)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []DetachedMonthsRow
+	for rows.Next() {
+		var i DetachedMonthsRow
+		if err := rows.Scan(&i.Name, &i.DropPending); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const dropDetached = `-- name: DropDetached :one
 SELECT idem.drop_detached($1::text::regclass)::text AS result
 `
@@ -234,6 +265,17 @@ func (q *Queries) MakeMonth(ctx context.Context, month pgtype.Date) (string, err
 	var result string
 	err := row.Scan(&result)
 	return result, err
+}
+
+const markForDrop = `-- name: MarkForDrop :exec
+SELECT idem.mark_for_drop($1::text::regclass)
+`
+
+// Marks a month rotation detached to drop, in the detaching transaction
+// (migration 30).
+func (q *Queries) MarkForDrop(ctx context.Context, name string) error {
+	_, err := q.db.Exec(ctx, markForDrop, name)
+	return err
 }
 
 const monthInDefault = `-- name: MonthInDefault :one

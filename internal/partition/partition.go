@@ -137,6 +137,7 @@ type settings struct {
 	backoff, lockTTL         time.Duration
 	holder                   string
 	log                      *slog.Logger
+	lock                     *maintlock.Lock // the held rotate lock, renewed before each step
 }
 
 func (c Config) settings() (settings, error) {
@@ -192,7 +193,7 @@ func (c settings) check(ctx context.Context, q *pgxdb.Queries) error {
 
 // Step is one thing rotation did or tried.
 type Step struct {
-	Action string // "move", "create" or "retire"
+	Action string // "drop", "move", "create" or "retire"
 	Target string // month (move, create) or partition (retire)
 	Result string // "moved N rows", "created", "dropped", "detached", "kept: ...", "gave up: ..."
 }
@@ -204,6 +205,11 @@ type Result struct {
 	Steps   []Step
 	GaveUp  int // steps left for the next run after lock timeouts
 }
+
+// ErrLockLost: the rotate lock's lease ended mid-run and another holder
+// took it (this process stalled past LockTTL); the run stopped before its
+// next step, leaving the rest to the holder.
+var ErrLockLost = errors.New("rotate: lost the rotate lock mid-run")
 
 // ErrIncomplete is returned (with the Result) when some steps gave up
 // after lock timeouts; the next run tries them again.
@@ -249,6 +255,9 @@ func Rotate(ctx context.Context, pool *pgxpool.Pool, cfg Config) (*Result, error
 	switch {
 	case errors.Is(err, ErrIncomplete):
 		r.Outcome, r.Err = "incomplete", nil
+	case errors.Is(err, context.Canceled):
+		// SIGTERM: the step in flight finished, the rest is the next run's.
+		r.Outcome, r.Err = "interrupted", nil
 	case err != nil:
 		r.Outcome = "error"
 	case res.Skipped:
@@ -274,6 +283,25 @@ func (c settings) rotate(ctx context.Context, pool *pgxpool.Pool) (*Result, erro
 	defer lock.Release(ctx, c.log)
 
 	res := &Result{}
+	c.lock = lock
+	// Months an earlier rotation detached to drop and did not drop (its
+	// DROP gave up on a lock, or it was stopped between the two).
+	detached, err := q.DetachedMonths(ctx)
+	if err != nil {
+		return res, fmt.Errorf("list detached months: %w", err)
+	}
+	for _, d := range detached {
+		if !d.DropPending {
+			continue
+		}
+		out, err := c.step(ctx, pool, func(q *pgxdb.Queries) (string, error) {
+			return q.DropDetached(ctx, d.Name)
+		})
+		if err != nil {
+			return res, fmt.Errorf("drop %s (detached by an earlier rotation): %w", d.Name, err)
+		}
+		res.add(ctx, c.log, Step{"drop", d.Name, out})
+	}
 	if c.moveDefault {
 		if err := c.moveDefaultRows(ctx, pool, q, res); err != nil {
 			return res, err
@@ -302,7 +330,13 @@ func (c settings) rotate(ctx context.Context, pool *pgxpool.Pool) (*Result, erro
 		// Detach first and drop in a second transaction: the lock on
 		// processed_events, which claims queue behind, lasts only the detach.
 		out, err := c.step(ctx, pool, func(q *pgxdb.Queries) (string, error) {
-			return q.RetirePartition(ctx, pgxdb.RetirePartitionParams{Name: name, KeepDetached: true})
+			out, err := q.RetirePartition(ctx, pgxdb.RetirePartitionParams{Name: name, KeepDetached: true})
+			if err == nil && out == "detached" && !c.keepDetached {
+				// The intent to drop is recorded with the detach: a drop
+				// that does not happen below is the next run's to do.
+				err = q.MarkForDrop(ctx, name)
+			}
+			return out, err
 		})
 		if err != nil {
 			return res, fmt.Errorf("retire %s: %w", name, err)
@@ -366,10 +400,29 @@ func (r *Result) add(ctx context.Context, log *slog.Logger, s Step) {
 // step runs fn in a transaction with SET LOCAL lock_timeout, retrying with
 // backoff when it times out on a lock. After the last try it reports
 // "gave up: ..." instead of an error: the next run will try again.
+//
+// Before each try it renews the rotate lock, and stops with ErrLockLost
+// when another holder has it (the lease ended: this process stalled past
+// LockTTL): two rotations never run the same steps. A step is not
+// cancelled with ctx (SIGTERM): it is short, bounded by LockTimeout and
+// StatementTimeout, and runs to its end; the run stops before the next
+// step.
 func (c settings) step(ctx context.Context, pool *pgxpool.Pool, fn func(q *pgxdb.Queries) (string, error)) (string, error) {
 	wait := c.backoff
 	for try := 0; ; try++ {
-		out, err := c.tx(ctx, pool, fn)
+		if err := ctx.Err(); err != nil {
+			return "", fmt.Errorf("rotation stopped before its next step: %w", err)
+		}
+		if c.lock != nil {
+			held, err := c.lock.Acquire(context.WithoutCancel(ctx))
+			if err != nil {
+				return "", err
+			}
+			if !held.Acquired {
+				return "", fmt.Errorf("%w (now held by %s until %s)", ErrLockLost, held.Holder, held.ExpiresAt.UTC().Format(time.RFC3339))
+			}
+		}
+		out, err := c.tx(context.WithoutCancel(ctx), pool, fn)
 		if err == nil {
 			return out, nil
 		}

@@ -32,6 +32,20 @@ BEGIN
         RETURN;
     END IF;
     COMMIT;
+    -- Months an earlier rotation detached to drop and did not drop.
+    FOR v_part IN SELECT d.part FROM idem.detached_months() d WHERE d.drop_pending LOOP
+        BEGIN
+            PERFORM pg_catalog.set_config('lock_timeout'::text, v_wait, true);
+            PERFORM idem.drop_detached(v_part);
+            v_gone := v_gone OPERATOR(pg_catalog.+) 1;
+            RAISE NOTICE 'idem.rotate: %: dropped (detached by an earlier rotation)', v_part;
+        EXCEPTION
+            WHEN lock_not_available THEN
+                v_gaveup := v_gaveup OPERATOR(pg_catalog.+) 1;
+                RAISE NOTICE 'idem.rotate: could not lock % to drop it, left for the next run', v_part;
+        END;
+        COMMIT;
+    END LOOP;
     FOR v_month IN SELECT m.m FROM idem.months_to_create(premake) m(m) LOOP
         v_res := NULL;
         BEGIN
@@ -60,6 +74,9 @@ BEGIN
         BEGIN
             PERFORM pg_catalog.set_config('lock_timeout'::text, v_wait, true);
             v_res := idem.retire_partition(v_part, true);
+            IF v_res OPERATOR(pg_catalog.=) 'detached' AND NOT keep_detached THEN
+                PERFORM idem.mark_for_drop(v_part);
+            END IF;
             RAISE NOTICE 'idem.rotate: %: %', v_part, v_res;
         EXCEPTION
             WHEN lock_not_available THEN
@@ -76,7 +93,14 @@ BEGIN
             v_kept := v_kept OPERATOR(pg_catalog.+) 1;
         END IF;
         IF v_res OPERATOR(pg_catalog.=) 'detached' AND NOT keep_detached THEN
-            PERFORM idem.drop_detached(v_part);
+            BEGIN
+                PERFORM pg_catalog.set_config('lock_timeout'::text, v_wait, true);
+                PERFORM idem.drop_detached(v_part);
+            EXCEPTION
+                WHEN lock_not_available THEN
+                    v_gaveup := v_gaveup OPERATOR(pg_catalog.+) 1;
+                    RAISE NOTICE 'idem.rotate: could not lock % to drop it, left for the next run', v_part;
+            END;
             COMMIT;
         END IF;
     END LOOP;

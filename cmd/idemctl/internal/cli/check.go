@@ -164,6 +164,20 @@ func measure(ctx context.Context, pool *pgxpool.Pool, c checkConfig) (*health, e
 	if h.Stuck, err = q.StuckLeases(ctx, c.stuckGrace.Milliseconds()); err != nil {
 		return nil, err
 	}
+	detached, err := q.DetachedMonths(ctx)
+	if err != nil {
+		return nil, err
+	}
+	var pending []string
+	for _, d := range detached {
+		if d.DropPending {
+			pending = append(pending, d.Name)
+		}
+	}
+	if len(pending) > 0 {
+		h.Problems = append(h.Problems, fmt.Sprintf("%s detached by a rotation whose DROP did not happen (a lock it gave up on, or a stop between the two): %s; the next `idemctl partitions rotate` drops %s",
+			plural(int64(len(pending)), "month", "months"), strings.Join(pending, ", "), map[bool]string{true: "it", false: "them"}[len(pending) == 1]))
+	}
 	if h.Lapsed, err = q.LapsedLeases(ctx, c.stuckGrace.Milliseconds()); err != nil {
 		return nil, err
 	}

@@ -12,6 +12,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemkit/idem/db/pgxdb"
 	"github.com/idemkit/idem/internal/partition"
 )
 
@@ -107,6 +108,9 @@ func (a *app) runPartitions(sub string, r rotateFlags, asJSON bool) error {
 	if res != nil {
 		reportRotate(io, res)
 	}
+	if errors.Is(err, partition.ErrLockLost) {
+		return withCode(ExitLocked, err)
+	}
 	if err != nil && !errors.Is(err, partition.ErrIncomplete) {
 		return err
 	}
@@ -137,6 +141,11 @@ type partitionJSON struct {
 	To         *string `json:"to,omitempty"`
 	EstRows    int64   `json:"estimated_rows"`
 	TotalBytes int64   `json:"total_bytes"`
+	// Detached: a month detached from processed_events, kept
+	// (--keep-detached) or, with DropPending, to be dropped by the next
+	// rotation.
+	Detached    bool `json:"detached,omitempty"`
+	DropPending bool `json:"drop_pending,omitempty"`
 }
 
 func listPartitions(ctx context.Context, io IO, pool *pgxpool.Pool, asJSON bool) error {
@@ -145,6 +154,15 @@ func listPartitions(ctx context.Context, io IO, pool *pgxpool.Pool, asJSON bool)
 		return err
 	}
 	out := partitionRows(parts)
+	// Detached months too: kept with --keep-detached, or waiting for a
+	// rotation to drop them.
+	detached, err := pgxdb.New(pool).DetachedMonths(ctx)
+	if err != nil {
+		return err
+	}
+	for _, d := range detached {
+		out = append(out, partitionJSON{Name: d.Name, Detached: true, DropPending: d.DropPending})
+	}
 	if asJSON {
 		enc := json.NewEncoder(io.Out)
 		enc.SetIndent("", "  ")
@@ -172,6 +190,12 @@ func printPartitions(tw *tabwriter.Writer, rows []partitionJSON) {
 	fmt.Fprintln(tw, "PARTITION\tFROM\tTO\tEST. ROWS\tSIZE")
 	for _, p := range rows {
 		from, to := "(default)", ""
+		switch {
+		case p.DropPending:
+			from = "(detached, drop pending)"
+		case p.Detached:
+			from = "(detached)"
+		}
 		if p.From != nil {
 			from, to = *p.From, *p.To
 		}

@@ -202,18 +202,32 @@ func newRunCmd(a *app) *cobra.Command {
 		// the schedule that comes meanwhile is skipped, not doubled): a daemon
 		// restarted after a long stop, or with a daily rotation, does not wait
 		// for its first tick.
+		// They run outside cron's runner, so shutdown waits for them as it
+		// does for cron's: the job in flight finishes its step, releases its
+		// lock and records its run; the ones after it do not start.
+		startup := make(chan struct{})
 		go func() {
-			c.Entry(rotateID).WrappedJob.Run()
-			c.Entry(pruneID).WrappedJob.Run()
-			c.Entry(statsID).WrappedJob.Run()
+			defer close(startup)
+			for _, id := range []cron.EntryID{rotateID, pruneID, statsID} {
+				if ctx.Err() != nil {
+					return
+				}
+				c.Entry(id).WrappedJob.Run()
+			}
 		}()
 
 		<-ctx.Done()
 		log.LogAttrs(context.Background(), slog.LevelInfo, "shutting down: waiting for running jobs")
-		stopped := c.Stop() // running jobs see ctx cancelled: prune stops after its current batch
-		select {
-		case <-stopped.Done():
-		case <-time.After(*shutdownWait):
+		stopped := c.Stop() // running jobs see ctx cancelled: prune stops after its current batch, rotate after its current step
+		deadline, cancelWait := context.WithTimeout(context.Background(), *shutdownWait)
+		defer cancelWait()
+		for _, done := range []<-chan struct{}{stopped.Done(), startup} {
+			select {
+			case <-done:
+			case <-deadline.Done():
+			}
+		}
+		if deadline.Err() != nil {
 			log.LogAttrs(context.Background(), slog.LevelWarn, "a job did not stop in time; exiting anyway (its transaction is rolled back by the server)")
 		}
 		if srv != nil {
