@@ -87,23 +87,30 @@ type batchEvent struct {
 	raw            json.RawMessage
 }
 
-// checkEventKey refuses an event id idem cannot take as a key (what the
-// claim would refuse: over 512 bytes, blank, a NUL byte or invalid UTF-8),
-// before anything is claimed: the delivery is answered 400, as the
-// single-event path answers a key the claim refuses, instead of 503 and a
-// retry that can never succeed.
-func checkEventKey(key string) error {
+// checkEvent refuses an event id (or type) idem cannot take for a key
+// (or an event type): what the claim would refuse (an id over 512 bytes
+// or blank, a type over 256 bytes, a NUL byte or invalid UTF-8 in
+// either), checked before anything is claimed, so that the delivery is
+// answered 400, as the single-event path answers a key the claim refuses,
+// instead of 503 and retries that can never succeed.
+func checkEvent(key, eventType string) error {
 	switch {
 	case len(key) > maxKey:
 		return fmt.Errorf("its id is %d bytes, over idem's %d", len(key), maxKey)
 	case strings.Trim(key, " \t\r\n") == "":
 		return errors.New("its id is blank")
-	}
-	if err := idem.CheckText("id", key); err != nil {
+	case idem.CheckText("id", key) != nil:
 		return errors.New("its id holds a NUL byte or is not UTF-8 text")
+	case len(eventType) > maxEventType:
+		return fmt.Errorf("its type is %d bytes, over idem's %d", len(eventType), maxEventType)
+	case idem.CheckText("type", eventType) != nil:
+		return errors.New("its type holds a NUL byte or is not UTF-8 text")
 	}
 	return nil
 }
+
+// maxEventType is idem's limit on an event type, in bytes.
+const maxEventType = 256
 
 // batchTally is what the claims of a delivery's events found.
 type batchTally struct {
@@ -133,10 +140,10 @@ func (m *middleware) serveBatch(w http.ResponseWriter, r *http.Request, body []b
 				fmt.Sprintf("Event %d of %d of the %s delivery has no event id.", i+1, len(raws), m.cfg.sender), nil)
 			return AnswerBadRequest
 		}
-		if err := checkEventKey(key); err != nil {
-			problem(w, http.StatusBadRequest, "Invalid idempotency key",
-				fmt.Sprintf("Event %d of %d of the %s delivery cannot be deduplicated: %v (idem takes at most %d bytes of UTF-8 text without NUL characters).",
-					i+1, len(raws), m.cfg.sender, err, maxKey), nil)
+		if err := checkEvent(key, typ); err != nil {
+			problem(w, http.StatusBadRequest, "Invalid event",
+				fmt.Sprintf("Event %d of %d of the %s delivery cannot be deduplicated: %v (an id is at most %d bytes of UTF-8 text without NUL characters, a type at most %d).",
+					i+1, len(raws), m.cfg.sender, err, maxKey, maxEventType), nil)
 			return AnswerBadRequest
 		}
 		if seen[key] { // the same event twice in one delivery: once
