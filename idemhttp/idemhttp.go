@@ -479,10 +479,10 @@ func (m *middleware) readBody(w http.ResponseWriter, r *http.Request) ([]byte, b
 // verified checks the delivery's signature (Config.Verify), before
 // anything is claimed.
 func (m *middleware) verified(w http.ResponseWriter, r *http.Request, body []byte) bool {
-	if m.cfg.Verify == nil {
-		return true
+	err := m.repeatedHeader(r)
+	if err == nil && m.cfg.Verify != nil {
+		err = m.cfg.Verify(r, body)
 	}
-	err := m.cfg.Verify(r, body)
 	if err == nil {
 		m.decided(r, "", DecisionVerified, "")
 		return true
@@ -499,6 +499,23 @@ func (m *middleware) verified(w http.ResponseWriter, r *http.Request, body []byt
 	m.decided(r, "", DecisionRefused, why)
 	m.problem(w, r, p)
 	return false
+}
+
+// repeatedHeader refuses a delivery that carries one of its preset's
+// signature, timestamp, id or event headers more than once
+// (ErrSignatureMissing: answered 400 before anything is claimed), on
+// every preset and whether or not this middleware verifies it
+// (VerifiedUpstream): no sender sends one twice, and which value was
+// signed, or names the event, is not the receiver's to guess (reading the
+// first, as net/http's Header.Get does, lets an intermediary that appends
+// a header decide).
+func (m *middleware) repeatedHeader(r *http.Request) error {
+	for _, name := range m.cfg.senderHeaders {
+		if len(r.Header.Values(name)) > 1 {
+			return fmt.Errorf("%w: %s: %s is repeated", ErrSignatureMissing, m.cfg.sender, http.CanonicalHeaderKey(name))
+		}
+	}
+	return nil
 }
 
 // claimOptions are the options of the key's claim.
