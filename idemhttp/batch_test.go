@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/idemhttp"
 	"github.com/idemkit/idem/idemhttp/idemtest"
 	"github.com/idemkit/idem/internal/testdb"
@@ -275,5 +276,63 @@ func TestBatchUnusableEventID(t *testing.T) {
 	}
 	if n != 0 || runs.Total() != 0 {
 		t.Fatalf("%d keys claimed, %d runs, want none", n, runs.Total())
+	}
+}
+
+// TestBatchOverMaxBatch: a delivery of more events than one batch claim
+// takes (idem.MaxBatch) is claimed in chunks, each inside the work of the
+// one before, and still runs the handler once over every event acquired:
+// 1,500 events, the first 500 (then the first 1,000: a whole chunk with
+// nothing to run) processed before; a momentary 503 releases every event of
+// both chunks without counting, and the retry runs each new event once.
+func TestBatchOverMaxBatch(t *testing.T) {
+	t.Parallel()
+	client := testdb.Client(t, testdb.Pool(t, testdb.New(t), 6), nil)
+	for _, before := range []int{500, idem.MaxBatch} {
+		t.Run(fmt.Sprint(before), func(t *testing.T) {
+			t.Parallel()
+			runs := &eventRuns{byID: map[string]int{}}
+			var fail atomic.Bool
+			sender := idemtest.SendGrid()
+			mw, err := idemhttp.New(idemhttp.Config{Client: client, Source: fmt.Sprint("big-", before)}.Apply(idemhttp.SendGrid(sender.VerificationKey(""))))
+			if err != nil {
+				t.Fatal(err)
+			}
+			srv := httptest.NewServer(mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if fail.Load() {
+					w.WriteHeader(http.StatusServiceUnavailable)
+					return
+				}
+				runs.ServeHTTP(w, r)
+			})))
+			t.Cleanup(srv.Close)
+			events := make([]*idemtest.Delivery, 1500)
+			for i := range events {
+				events[i] = sender.Event("delivered", fmt.Sprintf(`{"n":%d}`, i))
+			}
+			if resp, body := idemtest.Send(t, srv.URL, sender.Batch(events[:before]...)); resp.StatusCode != 200 {
+				t.Fatalf("the first %d: %d %s", before, resp.StatusCode, body)
+			}
+			all := sender.Batch(events...)
+			fail.Store(true)
+			if resp, body := idemtest.Send(t, srv.URL, all); resp.StatusCode != http.StatusServiceUnavailable {
+				t.Fatalf("all 1,500, the handler answering 503: %d %s", resp.StatusCode, body)
+			}
+			fail.Store(false)
+			if resp, body := idemtest.Send(t, srv.URL, sender.Redeliver(all)); resp.StatusCode != 200 || resp.Header.Get(idemhttp.ReplayedHeader) != "" {
+				t.Fatalf("the retry: %d %s", resp.StatusCode, body)
+			}
+			if resp, _ := idemtest.Send(t, srv.URL, sender.Redeliver(all)); resp.StatusCode != 200 || resp.Header.Get(idemhttp.ReplayedHeader) != "true" {
+				t.Fatalf("the retry after: %d, want a duplicate", resp.StatusCode)
+			}
+			if runs.calls != 2 || len(runs.byID) != 1500 {
+				t.Fatalf("%d handler calls for %d events, want 2 for 1,500", runs.calls, len(runs.byID))
+			}
+			for id, n := range runs.byID {
+				if n != 1 {
+					t.Fatalf("event %s ran %d times", id, n)
+				}
+			}
+		})
 	}
 }
