@@ -183,7 +183,7 @@ func (m *middleware) serveBatch(w http.ResponseWriter, r *http.Request, body []b
 		return outcome
 	}
 	var t batchTally
-	m.claimRun(ctx, chunk(events, idem.MaxBatch), nil, &t, handle)
+	_ = m.claimRun(ctx, chunk(events, idem.MaxBatch), nil, &t, handle) // its error is t.claimErr, or outcome
 
 	switch {
 	case t.claimErr != nil && errors.Is(t.claimErr, idem.ErrInvalidInput):
