@@ -43,7 +43,8 @@ type BatchResult struct {
 // DoBatch is Do for a batch of keys of one source (a queue consumer's
 // fetch): it claims every item in one call (ClaimBatch), runs fn once over
 // the acquired items, and records their outcomes in one call per kind
-// (completed, failed; a momentary failure is released as Do releases one, a call per key). It returns one BatchResult per item, in the order of
+// (completed, failed; a Momentary failure is released as Do releases one,
+// a call per key). It returns one BatchResult per item, in the order of
 // items: a key done before is replayed (Result, with Replayed set) without
 // running fn; the other answers are the errors Do returns.
 //
