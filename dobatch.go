@@ -15,7 +15,8 @@ type WorkResult struct {
 	// Value is the item's result, stored as Do stores its work's value.
 	Value any
 	// Err fails this item only: released for a retry, or recorded as a
-	// permanent failure when wrapped with Permanent.
+	// permanent failure when wrapped with Permanent; wrapped with Momentary,
+	// released without counting the attempt, as Do releases its key.
 	Err error
 }
 
@@ -23,7 +24,9 @@ type WorkResult struct {
 // acquired (in the order of the batch; never empty), and returns one
 // WorkResult per acquired item, in the same order. An error, a panic or a
 // slice of the wrong length fails every acquired item with it (released
-// for a retry, or permanent when the error is wrapped with Permanent).
+// for a retry, permanent when the error is wrapped with Permanent, or
+// released without counting the attempt when it is wrapped with
+// Momentary).
 type BatchWork func(ctx context.Context, acquired []*Claim) ([]WorkResult, error)
 
 // BatchResult is DoBatch's answer for one item: what Do returns for its
@@ -40,7 +43,8 @@ type BatchResult struct {
 // DoBatch is Do for a batch of keys of one source (a queue consumer's
 // fetch): it claims every item in one call (ClaimBatch), runs fn once over
 // the acquired items, and records their outcomes in one call per kind
-// (completed, failed). It returns one BatchResult per item, in the order of
+// (completed, failed; a Momentary failure is released as Do releases one,
+// a call per key). It returns one BatchResult per item, in the order of
 // items: a key done before is replayed (Result, with Replayed set) without
 // running fn; the other answers are the errors Do returns.
 //
@@ -89,7 +93,8 @@ func (c *Client) DoBatch(ctx context.Context, source string, items []BatchItem, 
 	var doneAt []int // positions in acquired
 	var failed []Failure
 	var failedAt []int
-	var notJSON []int // positions in acquired of values that are not JSON
+	var momentary []int // positions in acquired of momentary failures
+	var notJSON []int   // positions in acquired of values that are not JSON
 	for j, cl := range acquired {
 		i := at[j]
 		r := results[j]
@@ -111,11 +116,36 @@ func (c *Client) DoBatch(ctx context.Context, source string, items []BatchItem, 
 			r.Err = leaseLost(r.Err)
 		}
 		res[i].Err = r.Err
+		if !IsPermanent(r.Err) && IsMomentary(r.Err) {
+			momentary = append(momentary, j)
+			continue
+		}
 		failed, failedAt = append(failed, Failure{Key: cl.Key, Token: cl.Token, Message: r.Err.Error(),
 			Retryable: !IsPermanent(r.Err)}), append(failedAt, j)
 	}
 
 	var recErr error
+	// Momentary failures: each key released without counting the attempt,
+	// by the call Do makes for its one key (idem.fail with retryable NULL;
+	// one round trip per key, since idem.fail_batch counts every failure it
+	// records).
+	for _, j := range momentary {
+		cl, i := acquired[j], at[j]
+		err := c.record(ctx, source, cl.Key, func(ctx context.Context) error {
+			return c.failMomentary(ctx, source, cl.Key, cl.Token, res[i].Err.Error())
+		})
+		switch {
+		case err == nil:
+		case errors.Is(err, ErrStaleToken), errors.Is(err, ErrNotFound):
+			// Another worker took the key over (its lease was lost).
+			if !errors.Is(res[i].Err, ErrLeaseLost) {
+				res[i].Err = errors.Join(res[i].Err, err)
+			}
+		default:
+			res[i].Err = errors.Join(res[i].Err, err)
+			recErr = errors.Join(recErr, err)
+		}
+	}
 	if len(failed) > 0 {
 		var errs []error
 		err := c.record(ctx, source, "", func(ctx context.Context) (err error) {

@@ -503,10 +503,10 @@ func (m *middleware) readBody(w http.ResponseWriter, r *http.Request) ([]byte, b
 // verified checks the delivery's signature (Config.Verify), before
 // anything is claimed.
 func (m *middleware) verified(w http.ResponseWriter, r *http.Request, body []byte) bool {
-	if m.cfg.Verify == nil {
-		return true
+	err := m.repeatedHeader(r)
+	if err == nil && m.cfg.Verify != nil {
+		err = m.cfg.Verify(r, body)
 	}
-	err := m.cfg.Verify(r, body)
 	if err == nil {
 		m.decided(r, "", DecisionVerified, "")
 		return true
@@ -523,6 +523,23 @@ func (m *middleware) verified(w http.ResponseWriter, r *http.Request, body []byt
 	m.decided(r, "", DecisionRefused, why)
 	m.problem(w, r, p)
 	return false
+}
+
+// repeatedHeader refuses a delivery that carries one of its preset's
+// signature, timestamp, id or event headers more than once
+// (ErrSignatureMissing: answered 400 before anything is claimed), on
+// every preset and whether or not this middleware verifies it
+// (VerifiedUpstream): no sender sends one twice, and which value was
+// signed, or names the event, is not the receiver's to guess (reading the
+// first, as net/http's Header.Get does, lets an intermediary that appends
+// a header decide).
+func (m *middleware) repeatedHeader(r *http.Request) error {
+	for _, name := range m.cfg.senderHeaders {
+		if len(r.Header.Values(name)) > 1 {
+			return fmt.Errorf("%w: %s: %s is repeated", ErrSignatureMissing, m.cfg.sender, http.CanonicalHeaderKey(name))
+		}
+	}
+	return nil
 }
 
 // claimOptions are the options of the key's claim.
@@ -583,14 +600,8 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, key, eventType 
 // (errRetry: a status Config.Store does not keep, not counted as an
 // attempt when Momentary; errHandlerTimeout).
 func (m *middleware) outcome(ctx context.Context, key string, rec *recorder) (any, error) {
-	if !rec.written() && errors.Is(context.Cause(ctx), context.DeadlineExceeded) {
-		return nil, errHandlerTimeout
-	}
-	if status := rec.status(); !m.cfg.Store(status) {
-		if Momentary(status) {
-			return nil, idem.Momentary(errRetry{status})
-		}
-		return nil, errRetry{status}
+	if err := m.release(ctx, rec); err != nil {
+		return nil, err
 	}
 	resp, raw := m.stored(rec)
 	if resp.BodyOmitted || resp.HeadersOmitted {
@@ -600,6 +611,26 @@ func (m *middleware) outcome(ctx context.Context, key string, rec *recorder) (an
 			slog.Bool("body_omitted", resp.BodyOmitted), slog.Bool("headers_omitted", resp.HeadersOmitted))
 	}
 	return raw, nil
+}
+
+// release decides, once the handler returned on ctx, whether its answer
+// releases the key: nil when Config.Store keeps it; otherwise the error
+// the key is released with: errHandlerTimeout (the handler returned on
+// HandlerTimeout without answering), errRetry marked idem.Momentary for a
+// Momentary status (released without counting the attempt), errRetry.
+// Every path decides it here: one event (outcome) and every event of a
+// multi-event delivery (serveBatch).
+func (m *middleware) release(ctx context.Context, rec *recorder) error {
+	if !rec.written() && errors.Is(context.Cause(ctx), context.DeadlineExceeded) {
+		return errHandlerTimeout
+	}
+	if status := rec.status(); !m.cfg.Store(status) {
+		if Momentary(status) {
+			return idem.Momentary(errRetry{status})
+		}
+		return errRetry{status}
+	}
+	return nil
 }
 
 // answer sends the client the answer the claim and the handler decided.
@@ -626,10 +657,7 @@ func (m *middleware) answer(w http.ResponseWriter, r *http.Request, key string, 
 			detail: "This idempotency key was used with a different request payload."})
 		return AnswerMismatch
 	case errors.Is(err, idem.ErrFailed):
-		m.problem(w, r, problemAnswer{status: http.StatusUnprocessableEntity, title: "Request failed permanently",
-			detail: "Requests with this idempotency key failed too many times; send the request with a new key.",
-			level:  slog.LevelWarn, msg: "idemhttp: the key failed permanently", key: key, cause: err})
-		return AnswerFailed
+		return m.failedPermanently(w, r, key, "Requests with this idempotency key failed too many times; send the request with a new key.", err)
 	case ran && errors.Is(err, idem.ErrResultNotStored):
 		// Before ErrInvalidInput, which it matches too when the cause is
 		// a value PostgreSQL refused: the handler ran and the key is
@@ -670,6 +698,14 @@ func (m *middleware) answer(w http.ResponseWriter, r *http.Request, key string, 
 			level: slog.LevelError, msg: "idemhttp: idempotency store failed", key: key, cause: err})
 		return AnswerUnavailable
 	}
+}
+
+// failedPermanently answers a key that failed for good (past the source's
+// max_attempts): 422, on every path.
+func (m *middleware) failedPermanently(w http.ResponseWriter, r *http.Request, key, detail string, err error) Answer {
+	m.problem(w, r, problemAnswer{status: http.StatusUnprocessableEntity, title: "Request failed permanently",
+		detail: detail, level: slog.LevelWarn, msg: "idemhttp: the key failed permanently", key: key, cause: err})
+	return AnswerFailed
 }
 
 // leaseLost answers a run whose lease lapsed while the handler ran and

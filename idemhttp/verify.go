@@ -86,9 +86,9 @@ func StripeVerifier(tolerance time.Duration, secrets ...string) (Verifier, error
 	}
 	secrets = append([]string(nil), secrets...)
 	return func(r *http.Request, body []byte) error {
-		header := r.Header.Get("Stripe-Signature")
-		if header == "" {
-			return fmt.Errorf("%w: Stripe-Signature is missing", ErrSignatureMissing)
+		header, err := oneHeader(r, "Stripe", "Stripe-Signature")
+		if err != nil {
+			return err
 		}
 		var last error
 		for _, s := range secrets {
@@ -200,7 +200,7 @@ func GitHubVerifier(secrets ...string) (Verifier, error) {
 	if err := checkSecrets("GitHub", secrets); err != nil {
 		return nil, err
 	}
-	return hmacVerifier("X-Hub-Signature-256", "sha256=", hex.DecodeString, secrets), nil
+	return hmacVerifier("GitHub", "X-Hub-Signature-256", "sha256=", hex.DecodeString, secrets), nil
 }
 
 // ShopifyVerifier verifies X-Shopify-Hmac-Sha256 (the base64 HMAC-SHA256
@@ -209,15 +209,15 @@ func ShopifyVerifier(secrets ...string) (Verifier, error) {
 	if err := checkSecrets("Shopify", secrets); err != nil {
 		return nil, err
 	}
-	return hmacVerifier("X-Shopify-Hmac-Sha256", "", base64.StdEncoding.DecodeString, secrets), nil
+	return hmacVerifier("Shopify", "X-Shopify-Hmac-Sha256", "", base64.StdEncoding.DecodeString, secrets), nil
 }
 
-func hmacVerifier(header, prefix string, decode func(string) ([]byte, error), secrets []string) Verifier {
+func hmacVerifier(sender, header, prefix string, decode func(string) ([]byte, error), secrets []string) Verifier {
 	secrets = append([]string(nil), secrets...)
 	return func(r *http.Request, body []byte) error {
-		v := strings.TrimSpace(r.Header.Get(header))
-		if v == "" {
-			return fmt.Errorf("%w: %s is missing", ErrSignatureMissing, header)
+		v, err := oneHeader(r, sender, header)
+		if err != nil {
+			return err
 		}
 		sig, err := decode(strings.TrimPrefix(v, prefix))
 		if err != nil || !strings.HasPrefix(v, prefix) || len(sig) != sha256.Size {
