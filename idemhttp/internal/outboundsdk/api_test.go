@@ -23,7 +23,7 @@ func TestMain(m *testing.M) { testdb.Main(m) }
 // act lose their answer: the API acts, then hangs up, as a cut connection
 // or a crash before the answer would.
 type api struct {
-	key    func(r *http.Request, body []byte) string   // nil: the API takes no key
+	key    func(r *http.Request, body []byte) string    // nil: the API takes no key
 	answer func(w http.ResponseWriter, id, body string) // the answer for the action id, done for body
 	lose   int
 
