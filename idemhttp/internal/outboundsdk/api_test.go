@@ -21,11 +21,13 @@ func TestMain(m *testing.M) { testdb.Main(m) }
 // repeat, answered as the first was without acting, as Stripe's
 // Idempotency-Key and AWS's ClientToken are. The first lose requests that
 // act lose their answer: the API acts, then hangs up, as a cut connection
-// or a crash before the answer would.
+// or a crash before the answer would; so do the first loseAny requests,
+// acting or not.
 type api struct {
-	key    func(r *http.Request, body []byte) string    // nil: the API takes no key
-	answer func(w http.ResponseWriter, id, body string) // the answer for the action id, done for body
-	lose   int
+	key     func(r *http.Request, body []byte) string    // nil: the API takes no key
+	answer  func(w http.ResponseWriter, id, body string) // the answer for the action id, done for body
+	lose    int
+	loseAny int
 
 	mu      sync.Mutex
 	keys    []string          // the key of every request, in order
@@ -56,6 +58,10 @@ func (a *api) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			a.lose--
 			lost = true
 		}
+	}
+	if a.loseAny > 0 {
+		a.loseAny--
+		lost = true
 	}
 	body := a.bodyFor[id]
 	a.mu.Unlock()
