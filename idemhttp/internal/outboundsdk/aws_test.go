@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -103,11 +105,27 @@ func TestOutboundAWSClientToken(t *testing.T) {
 	})
 	t.Run("OutboundKey as the ClientToken", func(t *testing.T) {
 		a := ecsAPI(2)
-		errs := runTask(ecsClient(serve(t, a).URL, rt), "job-2", true)
+		var mu sync.Mutex
+		var headers []string // per request: whether it carried the Transport's header, and whether it was signed
+		srv := serve(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			mu.Lock()
+			headers = append(headers, fmt.Sprintf("key %v signed %v", r.Header.Get("Idempotency-Key") != "",
+				strings.Contains(strings.ToLower(r.Header.Get("Authorization")), "idempotency-key")))
+			mu.Unlock()
+			a.ServeHTTP(w, r)
+		}))
+		errs := runTask(ecsClient(srv.URL, rt), "job-2", true)
 		want := idem.Effect{Name: "run_task", EventSource: "jobs", EventKey: "job-2"}.OutboundKey("ecs RunTask")
 		n, keys := a.counts()
 		if n != 1 || fmt.Sprint(keys) != fmt.Sprint([]string{want, want, want}) || errs[0] == nil || errs[1] != nil || errs[2] != nil {
 			t.Fatalf("%d tasks started, tokens %q, deliveries %v; want 1, the effect's token 3 times", n, keys, errs)
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		for _, h := range headers {
+			if h != "key true signed false" {
+				t.Fatalf("requests: %q; want the Transport's header on each, outside SigV4's signed headers", headers)
+			}
 		}
 	})
 	t.Run("outside an effect", func(t *testing.T) {
