@@ -490,8 +490,9 @@ func TestEffectPoolExhausted(t *testing.T) {
 // the innermost event. A Do, a DoBatch or a WithEvent started inside an
 // effect's function starts a new scope with no effect (until its own work
 // calls Effect), so the outbound keys of the outer effect never reach
-// another event's calls; back in the outer function, the outer effect is
-// in force again.
+// another event's calls; an effect started inside another effect of the
+// same event is in force in its own function; back in the outer function,
+// the outer effect is in force again.
 func TestEffectScopes(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -533,6 +534,12 @@ func TestEffectScopes(t *testing.T) {
 			}
 			ev, _ := idem.EventFrom(ctx)
 			note("WithEvent", idem.WithEvent(ctx, ev))
+			if _, err := c.Effect(ctx, "audit", func(ctx context.Context) (any, error) {
+				note("nested effect", ctx)
+				return nil, nil
+			}); err != nil {
+				return nil, err
+			}
 			note("notify again", ctx)
 			return nil, nil
 		})
@@ -548,6 +555,7 @@ func TestEffectScopes(t *testing.T) {
 		"DoBatch:",
 		"batch item: event sms/order-1/bob",
 		"WithEvent: event shop/order-1",
+		"nested effect: event shop/order-1 effect audit of order-1",
 		"notify again: event shop/order-1 effect notify of order-1",
 	}
 	if strings.Join(seen, "\n") != strings.Join(want, "\n") {
