@@ -54,7 +54,10 @@ type Result struct {
 // ErrMismatch, and *FailedError (errors.Is ErrFailed).
 //
 // fn's context carries the claim (EventFrom), so that the side effects fn
-// runs with Effect belong to this key.
+// runs with Effect belong to this key, and no effect of an event whose
+// work called Do (EffectFrom reports none until fn calls Effect): a write
+// fn sends through idemhttp.Transport is never keyed by an enclosing
+// effect.
 //
 // On a pool-backed client, Do extends the lease while fn runs, until fn
 // returns even if ctx is cancelled (fn may ignore its context; its lease

@@ -49,7 +49,10 @@ type BatchResult struct {
 // running fn; the other answers are the errors Do returns.
 //
 // fn works over the acquired subset, not per item, so that it can write
-// the effects of the whole batch in one statement or one transaction. Its
+// the effects of the whole batch in one statement or one transaction.
+// fn's context belongs to no one event, nor to any effect of an event
+// whose work started the batch: attach an item's claim with WithEvent to
+// run that item's effects (Client.Effect). Its
 // per-item errors fail only their item: the other items are completed.
 //
 // The returned error is for the whole batch: the claim failed (nothing was
@@ -86,7 +89,9 @@ func (c *Client) DoBatch(ctx context.Context, source string, items []BatchItem, 
 
 	lost := make([]bool, len(acquired))
 	stop := c.batchHeartbeat(ctx, acquired, lost, sent)
-	results, runErr := runBatch(ctx, fn, acquired)
+	// The batch's work belongs to no one event (WithEvent names an item's),
+	// nor to any effect of an event whose work started the batch.
+	results, runErr := runBatch(withScope(ctx, nil, nil), fn, acquired)
 	stop()
 
 	var done []Completion

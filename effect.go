@@ -83,33 +83,56 @@ func (e Effect) OutboundKey(label string) string {
 	return hex.EncodeToString(h.Sum(nil))
 }
 
-type eventCtxKey struct{}
-type effectCtxKey struct{}
+// scopeCtxKey holds a context's *eventScope.
+type scopeCtxKey struct{}
+
+// eventScope is what a context says about the event it works for: the
+// event's claim and, inside the function of one of its effects, that
+// effect. The two are one value, so that starting the work of an event
+// (Do, DoBatch, WithEvent, the inbox) replaces both: an effect never
+// reaches the calls of another event's work, however deeply nested (a Do
+// started inside an effect has no effect until it calls Effect itself).
+type eventScope struct {
+	claim  *Claim
+	effect *Effect
+}
+
+func withScope(ctx context.Context, cl *Claim, eff *Effect) context.Context {
+	return context.WithValue(ctx, scopeCtxKey{}, &eventScope{claim: cl, effect: eff})
+}
 
 // WithEvent returns ctx carrying the claim of an event, so that Effect
 // calls under ctx belong to that event. Do, idemhttp and the inbox attach
-// their claim themselves; call it when you claim by hand.
+// their claim themselves; call it when you claim by hand (a DoBatch item).
+// It starts a new scope: under the returned context, no effect of an
+// enclosing event is in force (EffectFrom reports none).
 func WithEvent(ctx context.Context, cl *Claim) context.Context {
 	if cl == nil {
 		return ctx
 	}
 	c := *cl
-	return context.WithValue(ctx, eventCtxKey{}, &c)
+	return withScope(ctx, &c, nil)
 }
 
 // EventFrom returns the claim of the event ctx belongs to.
 func EventFrom(ctx context.Context) (*Claim, bool) {
-	cl, ok := ctx.Value(eventCtxKey{}).(*Claim)
-	return cl, ok
+	s, _ := ctx.Value(scopeCtxKey{}).(*eventScope)
+	if s == nil || s.claim == nil {
+		return nil, false
+	}
+	return s.claim, true
 }
 
-// EffectFrom returns the effect whose function ctx was given to.
+// EffectFrom returns the effect whose function ctx was given to: the
+// innermost effect of the innermost event. Inside a Do (or DoBatch, or
+// under WithEvent) started in an effect's function, there is none until
+// that event's work calls Effect itself.
 func EffectFrom(ctx context.Context) (Effect, bool) {
-	e, ok := ctx.Value(effectCtxKey{}).(*Effect)
-	if !ok {
+	s, _ := ctx.Value(scopeCtxKey{}).(*eventScope)
+	if s == nil || s.effect == nil {
 		return Effect{}, false
 	}
-	return *e, true
+	return *s.effect, true
 }
 
 // EffectOption adjusts one Effect call.
@@ -216,7 +239,7 @@ func (c *Client) Effect(ctx context.Context, name string, fn func(ctx context.Co
 			}
 			return nil, Permanent(fmt.Errorf("%w: %s", ErrInDoubt, msg))
 		}
-		ctx = context.WithValue(WithEvent(ctx, ev), effectCtxKey{}, eff)
+		ctx = withScope(ctx, ev, eff)
 		v, err := fn(ctx)
 		if err != nil && a.atMostOnce {
 			err = Permanent(err)

@@ -485,3 +485,80 @@ func TestEffectPoolExhausted(t *testing.T) {
 		})
 	}
 }
+
+// TestEffectScopes: the effect a context carries is the innermost one of
+// the innermost event. A Do, a DoBatch or a WithEvent started inside an
+// effect's function starts a new scope with no effect (until its own work
+// calls Effect), so the outbound keys of the outer effect never reach
+// another event's calls; an effect started inside another effect of the
+// same event is in force in its own function; back in the outer function,
+// the outer effect is in force again.
+func TestEffectScopes(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	c := testdb.Client(t, testdb.Pool(t, testdb.New(t), 6), nil)
+	var seen []string
+	note := func(where string, ctx context.Context) {
+		ev, hasEvent := idem.EventFrom(ctx)
+		eff, hasEffect := idem.EffectFrom(ctx)
+		s := where + ":"
+		if hasEvent {
+			s += " event " + ev.Source + "/" + ev.Key
+		}
+		if hasEffect {
+			s += " effect " + eff.Name + " of " + eff.EventKey
+		}
+		seen = append(seen, s)
+	}
+	_, err := c.Do(ctx, "shop", "order-1", func(ctx context.Context) (any, error) {
+		note("order", ctx)
+		return c.Effect(ctx, "notify", func(ctx context.Context) (any, error) {
+			note("notify", ctx)
+			_, err := c.Do(ctx, "sms", "order-1/alice", func(ctx context.Context) (any, error) {
+				note("inner Do", ctx)
+				return c.Effect(ctx, "send", func(ctx context.Context) (any, error) {
+					note("inner effect", ctx)
+					return nil, nil
+				})
+			})
+			if err != nil {
+				return nil, err
+			}
+			_, err = c.DoBatch(ctx, "sms", []idem.BatchItem{{Key: "order-1/bob"}}, func(ctx context.Context, acquired []*idem.Claim) ([]idem.WorkResult, error) {
+				note("DoBatch", ctx)
+				note("batch item", idem.WithEvent(ctx, acquired[0]))
+				return make([]idem.WorkResult, len(acquired)), nil
+			})
+			if err != nil {
+				return nil, err
+			}
+			ev, _ := idem.EventFrom(ctx)
+			note("WithEvent", idem.WithEvent(ctx, ev))
+			if _, err := c.Effect(ctx, "audit", func(ctx context.Context) (any, error) {
+				note("nested effect", ctx)
+				return nil, nil
+			}); err != nil {
+				return nil, err
+			}
+			note("notify again", ctx)
+			return nil, nil
+		})
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []string{
+		"order: event shop/order-1",
+		"notify: event shop/order-1 effect notify of order-1",
+		"inner Do: event sms/order-1/alice",
+		"inner effect: event sms/order-1/alice effect send of order-1/alice",
+		"DoBatch:",
+		"batch item: event sms/order-1/bob",
+		"WithEvent: event shop/order-1",
+		"nested effect: event shop/order-1 effect audit of order-1",
+		"notify again: event shop/order-1 effect notify of order-1",
+	}
+	if strings.Join(seen, "\n") != strings.Join(want, "\n") {
+		t.Fatalf("scopes seen:\n%s\nwant:\n%s", strings.Join(seen, "\n"), strings.Join(want, "\n"))
+	}
+}

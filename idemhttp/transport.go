@@ -27,10 +27,12 @@ var DefaultKeyMethods = []string{http.MethodPost, http.MethodPatch}
 
 var (
 	// ErrNoEffect: a write (a keyed method) was sent with a context that
-	// carries no idem effect and no key of its own. Make the call inside
-	// Client.Effect, set the header yourself, or set
-	// TransportConfig.AllowUnkeyed.
-	ErrNoEffect = errors.New("idemhttp: outbound write outside an idem effect, with no idempotency key")
+	// carries no idem effect, whatever key it carries: a key set by a
+	// client library (stripe-go's random one) or by hand is not the same
+	// on the event's next run, so it deduplicates nothing. Make the call
+	// inside Client.Effect with the SDK's context passed through, or opt
+	// this client out with TransportConfig.AllowUnkeyed.
+	ErrNoEffect = errors.New("idemhttp: outbound write outside an idem effect")
 	// ErrInvalidTransport: a TransportConfig field is out of range.
 	ErrInvalidTransport = errors.New("idemhttp: invalid transport config")
 )
@@ -41,8 +43,9 @@ type TransportConfig struct {
 	// "Idempotency-Key" (Stripe, Adyen, the IETF draft); PayPal reads
 	// "PayPal-Request-Id". Inside an effect the effect's key replaces any
 	// value the request already carries under it (stripe-go sets a random
-	// one on every write), under any spelling of the name; outside an
-	// effect a request that carries it is sent as is.
+	// one on every write), under any spelling of the name. Outside an
+	// effect a write is refused (ErrNoEffect), whether it carries a key or
+	// not, unless AllowUnkeyed.
 	Header string
 	// Methods are the methods keyed, matched case-insensitively (net/http
 	// sends a method as it is written). Default POST and PATCH.
@@ -51,19 +54,30 @@ type TransportConfig struct {
 	// environments) run effects of the same name for the same events
 	// against one account of the same provider. Default none.
 	Namespace string
-	// AllowUnkeyed sends a write that is outside any effect without a key,
-	// instead of failing it with ErrNoEffect. Default false: a write meant
-	// to be keyed that is not is a bug worth hearing about.
+	// AllowUnkeyed opts this client out of the guard: a write outside any
+	// effect is sent as it is (with the key its caller or its client
+	// library set, or none), instead of failing with ErrNoEffect. Writes
+	// inside an effect are keyed all the same. Default false: a write
+	// meant to be keyed by an effect that is not (the Effect wrapper
+	// forgotten, an SDK that drops the caller's context) is a bug worth
+	// hearing about, and a random key an SDK sets would hide it. Set it
+	// on a client whose writes are not meant to be keyed by an effect: an
+	// SDK that never passes the caller's context on (twilio-go), under an
+	// AtMostOnce effect; an API that takes no key.
 	AllowUnkeyed bool
 }
 
 // Transport is an http.RoundTripper that sets the idempotency key of
 // outbound writes from the idem effect in the request's context
-// (idem.EffectFrom): Effect.OutboundKey of the call's label, which is its
-// method and URL path unless WithOutboundLabel gives another. Inside an
-// effect the effect's key always wins: a key the request already carries
-// (a client library's own, random one) is replaced, so every attempt of
-// the effect sends the same key. It never modifies the caller's request.
+// (idem.EffectFrom: the innermost effect of the innermost event):
+// Effect.OutboundKey of the call's label, which is its method and URL path
+// unless WithOutboundLabel gives another. A write is keyed by the effect
+// it belongs to or it is refused: inside an effect the effect's key always
+// wins (a key the request already carries, such as a client library's
+// own random one, is replaced, so every attempt of the effect sends the
+// same key); outside one the write fails with ErrNoEffect, whatever key it
+// carries, unless TransportConfig.AllowUnkeyed. It never modifies the
+// caller's request.
 type Transport struct {
 	base      http.RoundTripper
 	header    string
@@ -118,11 +132,20 @@ func (t *Transport) RoundTrip(r *http.Request) (*http.Response, error) {
 	}
 	eff, ok := idem.EffectFrom(r.Context())
 	if !ok {
-		if t.unkeyed || t.callerKeyed(r.Header) {
+		if t.unkeyed {
 			return t.base.RoundTrip(r)
 		}
 		closeBody(r)
-		return nil, fmt.Errorf("%w: %s %s (call it inside Client.Effect)", ErrNoEffect, r.Method, r.URL.Redacted())
+		if t.callerKeyed(r.Header) {
+			// stripe-go (and any SDK with a key of its own) sets a new
+			// random key on every call: it would pass a check for "some
+			// key" and charge once per run of the event.
+			return nil, fmt.Errorf("%w: %s %s carries an %s of its own, which the event's next run would not send again "+
+				"(call it inside Client.Effect, passing the effect's context to the client library)",
+				ErrNoEffect, r.Method, r.URL.Redacted(), t.header)
+		}
+		return nil, fmt.Errorf("%w: %s %s (call it inside Client.Effect, passing the effect's context to the client library)",
+			ErrNoEffect, r.Method, r.URL.Redacted())
 	}
 	label, ok := r.Context().Value(labelCtxKey{}).(string)
 	if !ok {

@@ -69,9 +69,9 @@ func charge(ctx context.Context, hc *http.Client, url string) (string, error) {
 
 // TestTransport: writes inside an effect carry the effect's key (also
 // over a key the caller set); the same call in a re-run carries the same
-// key; reads, calls outside effects that bring their own key and (when
-// allowed) unkeyed calls outside effects are sent as they are; a write
-// outside an effect is refused.
+// key; reads and (when allowed) writes outside effects are sent as they
+// are; a write outside an effect is refused, also one that carries a key
+// of its own.
 func TestTransport(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -142,6 +142,9 @@ func TestTransport(t *testing.T) {
 	t.Run("outside an effect", func(t *testing.T) {
 		if err := do(ctx, hc, "POST", "/v1/charges"); !errors.Is(err, idemhttp.ErrNoEffect) {
 			t.Fatalf("write outside an effect: %v, want ErrNoEffect", err)
+		}
+		if err := do(ctx, hc, "POST", "/v1/charges", "Idempotency-Key", "mine"); !errors.Is(err, idemhttp.ErrNoEffect) {
+			t.Fatalf("write outside an effect with a key of its own: %v, want ErrNoEffect", err)
 		}
 		if err := do(ctx, hc, "GET", "/v1/charges"); err != nil {
 			t.Fatalf("read outside an effect: %v", err)
