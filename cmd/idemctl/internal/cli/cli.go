@@ -29,6 +29,7 @@ const (
 	ExitUnhealthy   = 5 // `check` found a problem
 	ExitNotMigrated = 6 // schema idem is missing or out of date: run `idemctl migrate up`
 	ExitDeadLetters = 7 // `check` found nothing unhealthy but dead letters wait for an operator
+	ExitLeft        = 8 // `inbox replay` went through every dead letter and left some as they are (the counts say why)
 )
 
 // exitError carries an exit code with the one-line message for the user;
