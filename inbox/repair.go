@@ -125,7 +125,7 @@ func (o orphan) repairReason() string {
 	case o.state == string(rivertype.JobStateCancelled):
 		return fmt.Sprintf("River cancelled the event's job (%d) before it completed the event; last error: %s", o.job, o.lastError)
 	case strings.Contains(o.lastError, rescuedError):
-		return fmt.Sprintf("the event's worker crashed or hung on its last attempt (%d of the job %d), and River's rescuer gave the job up: the handler may kill its process (out of memory, a crash in cgo, a panic in a goroutine of its own); replay it once that is fixed", o.attempt, o.job)
+		return fmt.Sprintf("the event's worker crashed or hung on its last attempt (attempt %d of job %d), and River's rescuer gave the job up: the handler may kill its process (out of memory, a crash in cgo, a panic in a goroutine of its own); replay it once that is fixed", o.attempt, o.job)
 	case o.lastError == "":
 		return fmt.Sprintf("River discarded the event's job (%d) after %d attempts without its worker recording a failure", o.job, o.attempt)
 	}
