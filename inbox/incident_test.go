@@ -18,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/stripe/stripe-go/v85/webhook"
 
 	"github.com/idemkit/idem"
@@ -387,4 +388,142 @@ func TestAcceptThroughPgBouncer(t *testing.T) {
 	if j := count(t, direct, `SELECT count(*) FROM river_job WHERE kind = $1`, inbox.Kind); j != n {
 		t.Fatalf("%d jobs, want %d", j, n)
 	}
+}
+
+// TestRepairGaveUpJob: an event still queued under a job River gave up on
+// (discarded by its rescuer past its attempts, or cancelled) is a dead
+// letter after Repair, with its payload kept on the hold and the reason:
+// River's cleaner deleting the job afterwards loses nothing (it was
+// "payload lost" when the cleaner came first, and before that it was
+// enqueued again with fresh attempts). Repair pages through every orphan:
+// 1,200 events whose jobs completed without them are all enqueued again.
+func TestRepairGaveUpJob(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, pool := setup(t)
+	in, err := inbox.New(inbox.Config{Pool: pool})
+	if err != nil {
+		t.Fatal(err)
+	}
+	accept := func(source, key string) int64 {
+		a, err := in.Accept(ctx, &inbox.Delivery{Source: source, Key: key, EventType: "charge", Payload: []byte(`{"amount":42}`)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return a.JobID
+	}
+	rescued := accept("gaveup", "evt_rescued")
+	cancelled := accept("gaveup", "evt_cancelled")
+	if _, err := pool.Exec(ctx, `UPDATE river_job SET state = 'discarded', attempt = 3, attempted_at = now(), finalized_at = now(),
+		errors = ARRAY['{"at":"2026-11-28T00:00:00Z","attempt":3,"error":"Stuck job rescued by JobRescuer"}'::jsonb] WHERE id = $1`, rescued); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `UPDATE river_job SET state = 'cancelled', attempt = 1, attempted_at = now(), finalized_at = now(),
+		errors = ARRAY['{"at":"2026-11-28T00:00:00Z","attempt":1,"error":"cancelled from River UI"}'::jsonb] WHERE id = $1`, cancelled); err != nil {
+		t.Fatal(err)
+	}
+	// The crashed attempts' leases have ended.
+	if _, err := pool.Exec(ctx, `UPDATE idem.processed_events SET lease_expires_at = now() - interval '1 second' WHERE source = 'gaveup'`); err != nil {
+		t.Fatal(err)
+	}
+	rep, err := in.Repair(ctx)
+	if err != nil || rep != (inbox.RepairReport{Discarded: 2}) {
+		t.Fatalf("repair: %+v %v", rep, err)
+	}
+	// River's cleaner deletes the jobs.
+	if _, err := pool.Exec(ctx, `DELETE FROM river_job WHERE id = ANY($1)`, []int64{rescued, cancelled}); err != nil {
+		t.Fatal(err)
+	}
+	dead, err := in.DeadLetters(ctx, inbox.Filter{Source: "gaveup"})
+	if err != nil || len(dead) != 2 {
+		t.Fatalf("dead letters %+v %v", dead, err)
+	}
+	reasons := map[string]string{"evt_rescued": "crashed or hung", "evt_cancelled": "cancelled from River UI"}
+	for _, d := range dead {
+		if d.PayloadLost || d.EventType != "charge" || !strings.Contains(d.LastError, reasons[d.Key]) {
+			t.Fatalf("dead letter %+v", d)
+		}
+	}
+	if rep, err := in.Repair(ctx); err != nil || rep != (inbox.RepairReport{}) {
+		t.Fatalf("repair again: %+v %v", rep, err)
+	}
+	res, err := in.Replay(ctx, inbox.Filter{Source: "gaveup"})
+	if got := outcomes(res); err != nil || got[inbox.ReplayReplayed] != 2 {
+		t.Fatalf("replay: %v %v", got, err)
+	}
+	var payload string
+	if err := pool.QueryRow(ctx, `SELECT convert_from(decode(args->>'payload', 'base64'), 'UTF8') FROM river_job WHERE id = $1`, res[0].NewJobID).Scan(&payload); err != nil || payload != `{"amount":42}` {
+		t.Fatalf("the replayed job's payload %q %v", payload, err)
+	}
+
+	// 1,200 events whose jobs completed without completing them.
+	const n = 1200
+	var wg sync.WaitGroup
+	for w := range 8 {
+		wg.Go(func() {
+			for i := w; i < n; i += 8 {
+				if _, err := in.Accept(ctx, &inbox.Delivery{Source: "overlap", Key: fmt.Sprintf("evt-%04d", i), Payload: []byte(`{}`)}); err != nil {
+					t.Error(err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if _, err := pool.Exec(ctx, `UPDATE river_job SET state = 'completed', finalized_at = now() WHERE metadata->>'idem_source' = 'overlap'`); err != nil {
+		t.Fatal(err)
+	}
+	if rep, err := in.Repair(ctx); err != nil || rep != (inbox.RepairReport{Requeued: n}) {
+		t.Fatalf("repair of %d: %+v %v", n, rep, err)
+	}
+	if st, err := inbox.Reconcile(ctx, pool, ""); err != nil {
+		t.Fatal(err)
+	} else {
+		for _, s := range st {
+			if s.Unaccounted != 0 || !s.Balanced() {
+				t.Fatalf("reconcile: %s", s)
+			}
+		}
+	}
+}
+
+// TestRepairUnderApplicationLeader: an application runs its own River
+// client (AddWorker), which leads. River enqueues periodic jobs on its
+// leader only: with RepairPeriodicJob in that client's PeriodicJobs,
+// Repair runs there, and an event whose job River gave up on becomes a
+// dead letter without the application calling Repair.
+func TestRepairUnderApplicationLeader(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, pool := setup(t)
+	in, err := inbox.New(inbox.Config{Pool: pool, RepairEvery: time.Second,
+		Handler: func(context.Context, pgx.Tx, *inbox.Delivery) (any, error) { return nil, nil }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := in.Accept(ctx, &inbox.Delivery{Source: "app", Key: "evt_1", Payload: []byte(`{}`)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `UPDATE river_job SET state = 'discarded', attempt = 10, finalized_at = now(),
+		errors = ARRAY['{"at":"2026-11-28T00:00:00Z","attempt":10,"error":"Stuck job rescued by JobRescuer"}'::jsonb] WHERE id = $1`, a.JobID); err != nil {
+		t.Fatal(err)
+	}
+	workers := river.NewWorkers()
+	if err := in.AddWorker(workers); err != nil {
+		t.Fatal(err)
+	}
+	rc, err := river.NewClient(riverpgxv5.New(pool), &river.Config{Workers: workers,
+		Queues:       map[string]river.QueueConfig{river.QueueDefault: {MaxWorkers: 2}, in.Queue(): {MaxWorkers: 2}},
+		PeriodicJobs: []*river.PeriodicJob{in.RepairPeriodicJob()}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := rc.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = rc.Stop(context.Background()) })
+	waitForLong(t, "the application's leader to repair the event", func() bool {
+		return count(t, pool, `SELECT count(*) FROM idem.holds WHERE source = 'app' AND state = 'dead' AND payload IS NOT NULL`) == 1
+	})
 }
