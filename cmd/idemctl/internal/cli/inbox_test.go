@@ -209,3 +209,42 @@ func TestInboxReplayEveryDeadLetter(t *testing.T) {
 		t.Fatalf("%d events queued again, want %d (%v)", q, n, err)
 	}
 }
+
+// TestCheckCrashingEvent (issue 52): an inbox event whose job River's
+// rescuer has rescued (its worker crashed or hung mid-attempt) and that
+// is still to run is a problem check names (exit 5), with its key, until
+// it is processed or dead-lettered; stats' JSON counts it.
+func TestCheckCrashingEvent(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.NewEmpty(t)
+	env := map[string]string{"DATABASE_URL": url}
+	if r := idemctl(t, ctx, env, "migrate", "up"); r.code != 0 {
+		t.Fatalf("migrate up: %d\n%s%s", r.code, r.out, r.errout)
+	}
+	pool := testdb.Pool(t, url, 4)
+	in, err := inbox.New(inbox.Config{Pool: pool})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := in.Accept(ctx, &inbox.Delivery{Source: "shop", Key: "order-oom", Payload: []byte(`{}`)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := idemctl(t, ctx, env, "check"); r.code != 0 {
+		t.Fatalf("check with a queued event: %d\n%s%s", r.code, r.out, r.errout)
+	}
+	// River's rescuer found its attempt stuck (the worker died) and
+	// scheduled a retry, as it does.
+	if _, err := pool.Exec(ctx, `UPDATE river_job SET state = 'retryable', attempt = 1, attempted_at = now() - interval '2 minutes', scheduled_at = now() + interval '1 hour',
+		errors = ARRAY['{"at":"2026-11-28T00:00:00Z","attempt":1,"error":"Stuck job rescued by JobRescuer"}'::jsonb] WHERE id = $1`, a.JobID); err != nil {
+		t.Fatal(err)
+	}
+	r := idemctl(t, ctx, env, "check")
+	if r.code != ExitUnhealthy || !strings.Contains(r.errout, "inbox shop: 1 event crashed or hung its worker mid-attempt (River rescued its job) and will run again (order-oom)") {
+		t.Fatalf("check with a crashing event: %d\n%s%s", r.code, r.out, r.errout)
+	}
+	if r := idemctl(t, ctx, env, "check", "--json"); r.code != ExitUnhealthy || !strings.Contains(r.out, `"crashing": 1`) || !strings.Contains(r.out, `"order-oom"`) {
+		t.Fatalf("check --json: %d\n%s%s", r.code, r.out, r.errout)
+	}
+}
