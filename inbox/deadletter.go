@@ -317,6 +317,26 @@ func (in *Inbox) ReplayEach(ctx context.Context, f Filter, fn func(ReplayResult)
 	if err := in.refuseCitus(ctx, in.cfg.Pool); err != nil {
 		return err
 	}
+	if _, _, err := f.params(); err != nil {
+		return err
+	}
+	// The dead letters there are when it starts: an event it replays that
+	// fails for good again while it runs is a dead letter newer than all
+	// of them, which this run must not reach (a handler that fails at once
+	// would keep it going, oldest first, for ever).
+	var newest pgtype.Timestamptz
+	if err := in.cfg.Pool.QueryRow(ctx, `SELECT max(h.dead_at) FROM idem.holds h WHERE h.state = 'dead'`).Scan(&newest); err != nil {
+		return fmt.Errorf("inbox: replay: %w", err)
+	}
+	if !newest.Valid {
+		return nil // no dead letters
+	}
+	if bound := newest.Time.Add(time.Microsecond); f.Until.IsZero() || bound.Before(f.Until) {
+		f.Until = bound
+	}
+	if !f.Since.IsZero() && !f.Until.After(f.Since) {
+		return nil // none since
+	}
 	return in.EachDeadLetter(ctx, f, func(d DeadLetter) error {
 		r, err := in.replayOne(ctx, d)
 		if err != nil {

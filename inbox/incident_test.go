@@ -527,3 +527,36 @@ func TestRepairUnderApplicationLeader(t *testing.T) {
 		return count(t, pool, `SELECT count(*) FROM idem.holds WHERE source = 'app' AND state = 'dead' AND payload IS NOT NULL`) == 1
 	})
 }
+
+// TestReplayRunEnds: the replayed events fail for good again at once
+// (workers running while the replay pages through 1,100 dead letters):
+// the run goes through the dead letters there were when it started, each
+// once, and ends; the ones dead again are there for the next run.
+func TestReplayRunEnds(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, pool := setup(t)
+	const n = 1100
+	manyDeadLetters(t, pool, "again", "evt", n)
+	tool, err := inbox.New(inbox.Config{Pool: pool, Queue: "again_loop",
+		Handler: func(context.Context, pgx.Tx, *inbox.Delivery) (any, error) {
+			return nil, idem.Permanent(errors.New("still unknown"))
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	start(t, tool, 8, nil)
+	res, err := tool.Replay(ctx, inbox.Filter{Source: "again"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := map[string]int{}
+	for _, r := range res {
+		if seen[r.Key]++; seen[r.Key] > 1 {
+			t.Fatalf("%s replayed twice in one run", r.Key)
+		}
+	}
+	if len(seen) != n || outcomes(res)[inbox.ReplayReplayed] != n {
+		t.Fatalf("%d keys, %v", len(seen), outcomes(res))
+	}
+}
