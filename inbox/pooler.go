@@ -36,13 +36,14 @@ type pooledTx struct {
 	mode pgx.QueryExecMode
 }
 
-// pooled wraps tx as the package comment above says; tx unchanged when its
-// connection does not use QueryExecModeCacheStatement.
+// pooled wraps tx as the comment above says; tx unchanged when its
+// connection does not use QueryExecModeCacheStatement (or it has none: a
+// pgx.Tx of the caller's own making).
 func pooled(tx pgx.Tx) pgx.Tx {
 	if p, ok := tx.(pooledTx); ok {
 		return p
 	}
-	if c := tx.Conn(); c != nil && c.Config().DefaultQueryExecMode != pgx.QueryExecModeCacheStatement {
+	if c := tx.Conn(); c == nil || c.Config().DefaultQueryExecMode != pgx.QueryExecModeCacheStatement {
 		return tx
 	}
 	return pooledTx{Tx: tx, mode: pgx.QueryExecModeCacheDescribe}
