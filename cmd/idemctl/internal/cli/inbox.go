@@ -72,8 +72,13 @@ func newInboxCmd(a *app) *cobra.Command {
 	pf.BoolVar(&asJSON, "json", false, "list: print JSON")
 	pf.BoolVar(&dryRun, "dry-run", false, "replay: list what would be replayed, change nothing")
 	replay := &cobra.Command{
-		Use:     "replay",
-		Short:   "claim every dead letter the filter selects again (oldest first) and enqueue a new job with its payload",
+		Use:   "replay",
+		Short: "claim every dead letter the filter selects again (oldest first) and enqueue a new job with its payload",
+		Long: `replay goes through every dead letter the filter selects, oldest first, page
+by page (no limit of its own): each is claimed again and enqueued as a new job
+with its payload, in one transaction. A line per dead letter, then a count per
+outcome. Exit 8 when some were left as they are: their key failed for good
+(past its policy's max_attempts) or their payload is gone.`,
 		Example: "  idemctl inbox replay --source stripe --key evt_123\n  idemctl inbox replay --since 24h --dry-run",
 		Args:    noArgs("inbox replay"),
 		RunE: func(c *cobra.Command, _ []string) error {
