@@ -126,7 +126,8 @@ PG* variables), --log-format text|json, --lock-timeout and
 --statement-timeout, before or after its name.
 
 Exit codes: 0 ok, 1 error, 2 usage, 3 database unreachable, 4 locked,
-5 unhealthy, 6 not migrated, 7 dead letters wait (check). See docs/idemctl.md.`
+5 unhealthy, 6 not migrated, 7 dead letters wait (check), 8 dead letters
+left by inbox replay. See docs/idemctl.md.`
 
 // root builds the command tree.
 func (a *app) root() *cobra.Command {
