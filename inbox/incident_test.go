@@ -456,6 +456,35 @@ func TestRepairGaveUpJob(t *testing.T) {
 		t.Fatalf("the replayed job's payload %q %v", payload, err)
 	}
 
+	// Two Repairs at once over 50 events whose jobs River gave up on:
+	// each event is dead-lettered once, by one of them.
+	for i := range 50 {
+		accept("race", fmt.Sprintf("evt-%02d", i))
+	}
+	if _, err := pool.Exec(ctx, `UPDATE river_job SET state = 'discarded', attempt = 10, finalized_at = now() WHERE metadata->>'idem_source' = 'race'`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `UPDATE idem.processed_events SET lease_expires_at = now() - interval '1 second' WHERE source = 'race'`); err != nil {
+		t.Fatal(err)
+	}
+	reps := make([]inbox.RepairReport, 2)
+	var rg sync.WaitGroup
+	for i := range reps {
+		rg.Go(func() {
+			var err error
+			if reps[i], err = in.Repair(ctx); err != nil {
+				t.Error(err)
+			}
+		})
+	}
+	rg.Wait()
+	if reps[0].Discarded+reps[1].Discarded != 50 || reps[0].Requeued+reps[1].Requeued != 0 {
+		t.Fatalf("two repairs at once: %+v", reps)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM idem.holds WHERE source = 'race' AND state = 'dead' AND payload IS NOT NULL`); n != 50 {
+		t.Fatalf("%d dead letters with their payload, want 50", n)
+	}
+
 	// 1,200 events whose jobs completed without completing them.
 	const n = 1200
 	var wg sync.WaitGroup
