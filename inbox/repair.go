@@ -165,8 +165,24 @@ func (in *Inbox) repairOne(ctx context.Context, o orphan, rep *RepairReport) err
 			p.Reason = &reason
 		}
 		var err error
-		if out, err = pgxdb.New(tx).QueueRepair(ctx, p); err != nil {
-			return err
+		if gaveUp {
+			// Before any attempt took the key (River discarded the job at
+			// once, or it was cancelled), the key is still in processing
+			// under the accept's claim: fail it as its worker would have,
+			// so that a replay claims it at once rather than after the
+			// accept's lease. Once an attempt took it, the key is that
+			// attempt's (stale_token here), and queue_repair waits for its
+			// lease to end.
+			out, err = pgxdb.New(tx).QueueFail(ctx, pgxdb.QueueFailParams{Source: o.source, Key: o.key,
+				JobToken: o.token, Token: o.token, Error: *p.Reason, Dead: true})
+			if err != nil {
+				return err
+			}
+		}
+		if out != "dead" {
+			if out, err = pgxdb.New(tx).QueueRepair(ctx, p); err != nil {
+				return err
+			}
 		}
 		switch {
 		case out == "skipped":
