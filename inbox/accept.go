@@ -45,8 +45,11 @@ func (in *Inbox) Accept(ctx context.Context, d *Delivery) (Acceptance, error) {
 // all commit, or none. A key seen before is a duplicate
 // (Acceptance.Duplicate) and inserts nothing; a key seen with another
 // fingerprint is idem.ErrMismatch. Answer the sender 2xx only after tx
-// commits.
+// commits. Its statements (idem's and River's) need no prepared statement
+// kept on a server session, so that it works through a transaction pooler
+// with pgx's default configuration (see pooler.go).
 func (in *Inbox) AcceptTx(ctx context.Context, tx pgx.Tx, d *Delivery) (Acceptance, error) {
+	tx = pooled(tx) // through a transaction pooler too (pooler.go)
 	if err := in.refuseCitus(ctx, tx); err != nil {
 		return Acceptance{}, err
 	}
@@ -150,6 +153,7 @@ func (in *Inbox) claimOptions(fingerprint, eventType string, ttl time.Duration) 
 // already carries the one of the request that first accepted its event
 // (a replay).
 func (in *Inbox) enqueue(ctx context.Context, tx pgx.Tx, cl *idem.Claim, j Job) (id int64, err error) {
+	tx = pooled(tx)
 	j.Token, j.FirstSeen, j.ExpiresAt = cl.Token, cl.FirstSeen, cl.ExpiresAt
 	if tr := in.idem.Tracer(); tr != nil {
 		carrier := map[string]string{}

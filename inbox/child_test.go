@@ -30,8 +30,11 @@ const childEnv = "INBOX_TEST_CHILD"
 // an effect (a keyed POST to CHILD_STUB) and then, with CHILD_HANG, hangs
 // "mid-job" until it is killed.
 func child() int {
-	if os.Getenv("CHILD_MODE") == "storm" {
+	switch os.Getenv("CHILD_MODE") {
+	case "storm":
 		return stormWorker()
+	case "crash":
+		return crashWorker()
 	}
 	ctx := context.Background()
 	pool, err := pgxpool.New(ctx, os.Getenv("CHILD_URL"))

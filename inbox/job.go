@@ -216,7 +216,8 @@ func (w *worker) work(ctx context.Context, job *river.Job[Job], outcome *string)
 	switch {
 	case err != nil:
 		// The job is retried (or, past its attempts, discarded, and Repair
-		// requeues it): the key is still held for it.
+		// dead-letters the event with its payload and River's last error):
+		// the key is still held for it.
 		log.LogAttrs(ctx, slog.LevelWarn, "inbox: could not record the failure on the key", slog.Any("error", err), slog.Any("failure", herr))
 		if dead {
 			return fmt.Errorf("%w (and recording it failed: %w)", herr, err)

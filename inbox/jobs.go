@@ -89,12 +89,13 @@ func (in *Inbox) Jobs(ctx context.Context, state rivertype.JobState, limit int) 
 // KeyJobs lists every job River still has of one event (source, key),
 // oldest first (found by the jobs' metadata, on River's index of it): a
 // replay replaces the dead letter's job, so a replayed event has the
-// replay's job.
+// replay's job. There is no limit: an event has a job per acceptance,
+// repair and replay that River still keeps.
 func (in *Inbox) KeyJobs(ctx context.Context, source, key string) ([]JobInfo, error) {
 	table := riverTable(in.cfg.Schema, "river_job")
 	return in.queryJobs(ctx, `SELECT `+jobColumns+`
 	  FROM `+table+` j WHERE j.metadata @> pg_catalog.jsonb_build_object('idem_source', $1::text, 'idem_key', $2::text)
-	 ORDER BY j.id LIMIT 100`, source, key)
+	 ORDER BY j.id`, source, key)
 }
 
 // JobCounts counts the inbox queue's jobs in each of JobStates, each up to

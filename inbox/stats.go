@@ -30,6 +30,14 @@ type SourceStats struct {
 	// finished without processing the event). Repair enqueues them again
 	// or dead-letters them; idemctl check fails while there are any.
 	Unaccounted int64 `json:"unaccounted"`
+	// Crashing: queued events whose job River's rescuer has rescued (its
+	// worker crashed or hung mid-attempt: killed, out of memory, a crash
+	// in cgo) and that are not finished: each takes a worker down once
+	// per rescue until its attempts run out and it is dead-lettered.
+	// CrashingKeys names the first three, oldest first. -1 when River's
+	// tables cannot be read.
+	Crashing     int64    `json:"crashing"`
+	CrashingKeys []string `json:"crashing_keys,omitempty"`
 }
 
 // Balanced reports whether the source's events add up.
@@ -72,7 +80,7 @@ func Reconcile(ctx context.Context, db pgxdb.DBTX, schema string) ([]SourceStats
 	for _, r := range rows {
 		idx[r.Source] = len(out)
 		out = append(out, SourceStats{Source: r.Source, Accepted: r.Accepted, Processed: r.Processed, Dead: r.Dead, Queued: r.Queued,
-			Running: -1, Retrying: -1, Unaccounted: -1})
+			Running: -1, Retrying: -1, Unaccounted: -1, Crashing: -1})
 	}
 	if len(out) == 0 {
 		return out, nil
@@ -80,9 +88,13 @@ func Reconcile(ctx context.Context, db pgxdb.DBTX, schema string) ([]SourceStats
 	q := `SELECT h.source,
 	             count(*) FILTER (WHERE j.state = 'running'),
 	             count(*) FILTER (WHERE j.state = 'retryable'),
-	             count(*) FILTER (WHERE j.id IS NULL OR j.state IN ('completed', 'discarded', 'cancelled'))
+	             count(*) FILTER (WHERE j.id IS NULL OR j.state IN ('completed', 'discarded', 'cancelled')),
+	             count(*) FILTER (WHERE r.rescued),
+	             coalesce((pg_catalog.array_agg(h.key ORDER BY h.held_at, h.key) FILTER (WHERE r.rescued))[1:3], '{}')
 	        FROM idem.holds h
 	        LEFT JOIN ` + riverTable(schema, "river_job") + ` j ON j.id = h.job_id
+	        LEFT JOIN LATERAL (SELECT j.state NOT IN ('completed', 'discarded', 'cancelled')
+	                                  AND EXISTS (SELECT 1 FROM pg_catalog.unnest(j.errors) e WHERE e->>'error' = '` + rescuedError + `') AS rescued) r ON true
 	       WHERE h.state = 'queued'
 	       GROUP BY h.source`
 	jr, err := db.Query(ctx, q)
@@ -91,16 +103,18 @@ func Reconcile(ctx context.Context, db pgxdb.DBTX, schema string) ([]SourceStats
 	}
 	defer jr.Close()
 	for i := range out {
-		out[i].Running, out[i].Retrying, out[i].Unaccounted = 0, 0, 0
+		out[i].Running, out[i].Retrying, out[i].Unaccounted, out[i].Crashing = 0, 0, 0, 0
 	}
 	for jr.Next() {
 		var src string
-		var run, retry, lost int64
-		if err := jr.Scan(&src, &run, &retry, &lost); err != nil {
+		var run, retry, lost, crashing int64
+		var crashingKeys []string
+		if err := jr.Scan(&src, &run, &retry, &lost, &crashing, &crashingKeys); err != nil {
 			return out, fmt.Errorf("inbox: reconcile: %w", err)
 		}
 		if i, ok := idx[src]; ok {
 			out[i].Running, out[i].Retrying, out[i].Unaccounted = run, retry, lost
+			out[i].Crashing, out[i].CrashingKeys = crashing, crashingKeys
 		}
 	}
 	if err := jr.Err(); err != nil {

@@ -38,9 +38,10 @@ func WorkerCapacity(maxConns int32) int {
 
 // AddWorker registers the inbox worker on workers, for an application
 // that runs its own River client: add the inbox queue (Queue) to that
-// client's Queues as well, size its pool as WorkerCapacity says, and call
-// Repair now and then (NewWorkerClient's client does it every
-// Config.RepairEvery). Register it even on a River client that does not
+// client's Queues as well, size its pool as WorkerCapacity says, and add
+// RepairPeriodicJob to its PeriodicJobs (River enqueues periodic jobs on
+// its leader only, which may be this client), or call Repair yourself.
+// Register it even on a River client that does not
 // work the inbox queue but shares its database: River's leader rescues
 // stuck jobs of every queue, and discards a kind it has no worker for.
 func (in *Inbox) AddWorker(workers *river.Workers) error {
@@ -114,16 +115,32 @@ func (in *Inbox) NewWorkerClient(maxWorkers int, base *river.Config) (*river.Cli
 	if err := in.AddWorker(cfg.Workers); err != nil {
 		return nil, err
 	}
-	if in.cfg.RepairEvery > 0 {
-		cfg.PeriodicJobs = append(append([]*river.PeriodicJob(nil), cfg.PeriodicJobs...), river.NewPeriodicJob(
-			river.PeriodicInterval(in.cfg.RepairEvery),
-			func() (river.JobArgs, *river.InsertOpts) {
-				return repairJob{}, &river.InsertOpts{Queue: in.cfg.Queue, MaxAttempts: 1}
-			},
-			&river.PeriodicJobOpts{RunOnStart: true}))
+	if pj := in.RepairPeriodicJob(); pj != nil {
+		cfg.PeriodicJobs = append(append([]*river.PeriodicJob(nil), cfg.PeriodicJobs...), pj)
 	}
 	cfg.Queues = map[string]river.QueueConfig{in.cfg.Queue: {MaxWorkers: maxWorkers}}
 	return river.NewClient(riverpgxv5.New(in.cfg.Pool), &cfg)
+}
+
+// RepairPeriodicJob is the periodic job that runs Repair every
+// Config.RepairEvery (and once when its client starts leading), in the
+// inbox queue; nil when RepairEvery is negative. NewWorkerClient's client
+// has it. River enqueues periodic jobs on its leader only, and any River
+// client on the same tables may lead: an application that runs a River
+// client of its own (AddWorker, or next to NewWorkerClient's) adds it to
+// that client's PeriodicJobs too, or Repair runs only where the
+// application calls it whenever that client leads. Two clients that both
+// have it do not run it twice: only the leader enqueues.
+func (in *Inbox) RepairPeriodicJob() *river.PeriodicJob {
+	if in.cfg.RepairEvery <= 0 {
+		return nil
+	}
+	return river.NewPeriodicJob(
+		river.PeriodicInterval(in.cfg.RepairEvery),
+		func() (river.JobArgs, *river.InsertOpts) {
+			return repairJob{}, &river.InsertOpts{Queue: in.cfg.Queue, MaxAttempts: 1}
+		},
+		&river.PeriodicJobOpts{RunOnStart: true})
 }
 
 // repairJob is the periodic job that runs Repair.

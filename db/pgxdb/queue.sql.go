@@ -93,77 +93,6 @@ func (q *Queries) QueueCounts(ctx context.Context) ([]QueueCountsRow, error) {
 	return items, nil
 }
 
-const queueDead = `-- name: QueueDead :many
-SELECT h.source, h.key, h.token, coalesce(h.job_id, 0)::bigint AS job_id, h.held_at,
-       h.dead_at::timestamptz AS dead_at, coalesce(h.error, '')::text AS error
-  FROM idem.holds h
- WHERE h.state = 'dead'
-   AND ($1::text = '' OR h.source = $1::text)
-   AND ($2::text = '' OR h.key = $2::text)
-   AND h.dead_at >= $3::timestamptz
-   AND h.dead_at < $4::timestamptz
-   AND ($5::text = '' OR strpos(lower(h.error), lower($5::text)) > 0)
- ORDER BY h.dead_at, h.source, h.key
- LIMIT $6::integer
-`
-
-type QueueDeadParams struct {
-	Source        string
-	Key           string
-	Since         pgtype.Timestamptz
-	Until         pgtype.Timestamptz
-	ErrorContains string
-	MaxRows       int32
-}
-
-type QueueDeadRow struct {
-	Source string
-	Key    string
-	Token  int64
-	JobID  int64
-	HeldAt pgtype.Timestamptz
-	DeadAt pgtype.Timestamptz
-	Error  string
-}
-
-// Dead letters, oldest first: all sources when source is empty; one key
-// when key is given; dead-lettered in [since, until); whose error contains
-// error_contains (case-insensitive) when it is not empty.
-func (q *Queries) QueueDead(ctx context.Context, arg QueueDeadParams) ([]QueueDeadRow, error) {
-	rows, err := q.db.Query(ctx, queueDead,
-		arg.Source,
-		arg.Key,
-		arg.Since,
-		arg.Until,
-		arg.ErrorContains,
-		arg.MaxRows,
-	)
-	if err != nil {
-		return nil, err
-	}
-	defer rows.Close()
-	var items []QueueDeadRow
-	for rows.Next() {
-		var i QueueDeadRow
-		if err := rows.Scan(
-			&i.Source,
-			&i.Key,
-			&i.Token,
-			&i.JobID,
-			&i.HeldAt,
-			&i.DeadAt,
-			&i.Error,
-		); err != nil {
-			return nil, err
-		}
-		items = append(items, i)
-	}
-	if err := rows.Err(); err != nil {
-		return nil, err
-	}
-	return items, nil
-}
-
 const queueDeadCount = `-- name: QueueDeadCount :one
 SELECT count(*)::bigint AS dead
   FROM idem.holds h
@@ -229,6 +158,170 @@ func (q *Queries) QueueDeadKept(ctx context.Context, arg QueueDeadKeptParams) ([
 	for rows.Next() {
 		var i QueueDeadKeptRow
 		if err := rows.Scan(&i.EventType, &i.AcceptedAt); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const queueDeadNewest = `-- name: QueueDeadNewest :many
+SELECT h.source, h.key, h.token, coalesce(h.job_id, 0)::bigint AS job_id, h.held_at,
+       h.dead_at::timestamptz AS dead_at, coalesce(h.error, '')::text AS error
+  FROM idem.holds h
+ WHERE h.state = 'dead'
+   AND ($1::text = '' OR h.source = $1::text)
+   AND ($2::text = '' OR h.key = $2::text)
+   AND h.dead_at >= $3::timestamptz
+   AND h.dead_at < $4::timestamptz
+   AND ($5::text = '' OR strpos(lower(h.error), lower($5::text)) > 0)
+   AND (NOT $6::boolean
+        OR (h.dead_at, h.source, h.key) < ($7::timestamptz, $8::text, $9::text))
+ ORDER BY h.dead_at DESC, h.source DESC, h.key DESC
+ LIMIT $10::integer
+`
+
+type QueueDeadNewestParams struct {
+	Source        string
+	Key           string
+	Since         pgtype.Timestamptz
+	Until         pgtype.Timestamptz
+	ErrorContains string
+	Paged         bool
+	AfterAt       pgtype.Timestamptz
+	AfterSource   string
+	AfterKey      string
+	MaxRows       int32
+}
+
+type QueueDeadNewestRow struct {
+	Source string
+	Key    string
+	Token  int64
+	JobID  int64
+	HeldAt pgtype.Timestamptz
+	DeadAt pgtype.Timestamptz
+	Error  string
+}
+
+// QueueDeadOldest, newest first: the page before the cursor.
+func (q *Queries) QueueDeadNewest(ctx context.Context, arg QueueDeadNewestParams) ([]QueueDeadNewestRow, error) {
+	rows, err := q.db.Query(ctx, queueDeadNewest,
+		arg.Source,
+		arg.Key,
+		arg.Since,
+		arg.Until,
+		arg.ErrorContains,
+		arg.Paged,
+		arg.AfterAt,
+		arg.AfterSource,
+		arg.AfterKey,
+		arg.MaxRows,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []QueueDeadNewestRow
+	for rows.Next() {
+		var i QueueDeadNewestRow
+		if err := rows.Scan(
+			&i.Source,
+			&i.Key,
+			&i.Token,
+			&i.JobID,
+			&i.HeldAt,
+			&i.DeadAt,
+			&i.Error,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const queueDeadOldest = `-- name: QueueDeadOldest :many
+SELECT h.source, h.key, h.token, coalesce(h.job_id, 0)::bigint AS job_id, h.held_at,
+       h.dead_at::timestamptz AS dead_at, coalesce(h.error, '')::text AS error
+  FROM idem.holds h
+ WHERE h.state = 'dead'
+   AND ($1::text = '' OR h.source = $1::text)
+   AND ($2::text = '' OR h.key = $2::text)
+   AND h.dead_at >= $3::timestamptz
+   AND h.dead_at < $4::timestamptz
+   AND ($5::text = '' OR strpos(lower(h.error), lower($5::text)) > 0)
+   AND (NOT $6::boolean
+        OR (h.dead_at, h.source, h.key) > ($7::timestamptz, $8::text, $9::text))
+ ORDER BY h.dead_at, h.source, h.key
+ LIMIT $10::integer
+`
+
+type QueueDeadOldestParams struct {
+	Source        string
+	Key           string
+	Since         pgtype.Timestamptz
+	Until         pgtype.Timestamptz
+	ErrorContains string
+	Paged         bool
+	AfterAt       pgtype.Timestamptz
+	AfterSource   string
+	AfterKey      string
+	MaxRows       int32
+}
+
+type QueueDeadOldestRow struct {
+	Source string
+	Key    string
+	Token  int64
+	JobID  int64
+	HeldAt pgtype.Timestamptz
+	DeadAt pgtype.Timestamptz
+	Error  string
+}
+
+// One page of the dead letters a filter selects (all sources when source is
+// empty; one key when key is given; dead-lettered in [since, until); whose
+// error contains error_contains, case-insensitive, when it is not empty),
+// oldest first, after the cursor
+// (after_at, after_source, after_key) when paged: keyset pagination, so
+// that a replay that leaves some dead letters as they are still reaches
+// every one behind them.
+func (q *Queries) QueueDeadOldest(ctx context.Context, arg QueueDeadOldestParams) ([]QueueDeadOldestRow, error) {
+	rows, err := q.db.Query(ctx, queueDeadOldest,
+		arg.Source,
+		arg.Key,
+		arg.Since,
+		arg.Until,
+		arg.ErrorContains,
+		arg.Paged,
+		arg.AfterAt,
+		arg.AfterSource,
+		arg.AfterKey,
+		arg.MaxRows,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []QueueDeadOldestRow
+	for rows.Next() {
+		var i QueueDeadOldestRow
+		if err := rows.Scan(
+			&i.Source,
+			&i.Key,
+			&i.Token,
+			&i.JobID,
+			&i.HeldAt,
+			&i.DeadAt,
+			&i.Error,
+		); err != nil {
 			return nil, err
 		}
 		items = append(items, i)

@@ -30,10 +30,14 @@ SELECT idem.queue_repair(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.arg(j
                          sqlc.arg(old_job_id)::bigint, sqlc.narg(new_job_id)::bigint,
                          sqlc.narg(reason)::text)::text AS outcome;
 
--- name: QueueDead :many
--- Dead letters, oldest first: all sources when source is empty; one key
--- when key is given; dead-lettered in [since, until); whose error contains
--- error_contains (case-insensitive) when it is not empty.
+-- name: QueueDeadOldest :many
+-- One page of the dead letters a filter selects (all sources when source is
+-- empty; one key when key is given; dead-lettered in [since, until); whose
+-- error contains error_contains, case-insensitive, when it is not empty),
+-- oldest first, after the cursor
+-- (after_at, after_source, after_key) when paged: keyset pagination, so
+-- that a replay that leaves some dead letters as they are still reaches
+-- every one behind them.
 SELECT h.source, h.key, h.token, coalesce(h.job_id, 0)::bigint AS job_id, h.held_at,
        h.dead_at::timestamptz AS dead_at, coalesce(h.error, '')::text AS error
   FROM idem.holds h
@@ -43,7 +47,25 @@ SELECT h.source, h.key, h.token, coalesce(h.job_id, 0)::bigint AS job_id, h.held
    AND h.dead_at >= sqlc.arg(since)::timestamptz
    AND h.dead_at < sqlc.arg(until)::timestamptz
    AND (sqlc.arg(error_contains)::text = '' OR strpos(lower(h.error), lower(sqlc.arg(error_contains)::text)) > 0)
+   AND (NOT sqlc.arg(paged)::boolean
+        OR (h.dead_at, h.source, h.key) > (sqlc.arg(after_at)::timestamptz, sqlc.arg(after_source)::text, sqlc.arg(after_key)::text))
  ORDER BY h.dead_at, h.source, h.key
+ LIMIT sqlc.arg(max_rows)::integer;
+
+-- name: QueueDeadNewest :many
+-- QueueDeadOldest, newest first: the page before the cursor.
+SELECT h.source, h.key, h.token, coalesce(h.job_id, 0)::bigint AS job_id, h.held_at,
+       h.dead_at::timestamptz AS dead_at, coalesce(h.error, '')::text AS error
+  FROM idem.holds h
+ WHERE h.state = 'dead'
+   AND (sqlc.arg(source)::text = '' OR h.source = sqlc.arg(source)::text)
+   AND (sqlc.arg(key)::text = '' OR h.key = sqlc.arg(key)::text)
+   AND h.dead_at >= sqlc.arg(since)::timestamptz
+   AND h.dead_at < sqlc.arg(until)::timestamptz
+   AND (sqlc.arg(error_contains)::text = '' OR strpos(lower(h.error), lower(sqlc.arg(error_contains)::text)) > 0)
+   AND (NOT sqlc.arg(paged)::boolean
+        OR (h.dead_at, h.source, h.key) < (sqlc.arg(after_at)::timestamptz, sqlc.arg(after_source)::text, sqlc.arg(after_key)::text))
+ ORDER BY h.dead_at DESC, h.source DESC, h.key DESC
  LIMIT sqlc.arg(max_rows)::integer;
 
 -- name: QueueDeadCount :one

@@ -203,6 +203,18 @@ func measure(ctx context.Context, pool *pgxpool.Pool, c checkConfig) (*health, e
 		case s.Unaccounted > 0:
 			h.Problems = append(h.Problems, fmt.Sprintf("inbox %s: %d accepted events have no job that will run them: a worker client repairs them (inbox.Repair), or replay after it dead-letters them", s.Source, s.Unaccounted))
 		}
+		if s.Crashing > 0 {
+			keys := make([]string, len(s.CrashingKeys))
+			for i, k := range s.CrashingKeys {
+				keys[i] = idem.Quote(k)
+			}
+			if more := s.Crashing - int64(len(keys)); more > 0 {
+				keys = append(keys, fmt.Sprintf("and %s more", human(more)))
+			}
+			h.Problems = append(h.Problems, fmt.Sprintf("inbox %s: %s crashed or hung %s worker mid-attempt (River rescued %s job) and will run again (%s): its handler may kill its process; it is dead-lettered once its attempts run out",
+				s.Source, plural(s.Crashing, "event", "events"), map[bool]string{true: "its", false: "their"}[s.Crashing == 1],
+				map[bool]string{true: "its", false: "their"}[s.Crashing == 1], strings.Join(keys, ", ")))
+		}
 	}
 	if err == nil {
 		if err := deadLetterAttention(ctx, pool, c.riverSchema, ib, h); err != nil {
@@ -300,7 +312,8 @@ func deadLetterAttention(ctx context.Context, pool *pgxpool.Pool, riverSchema st
 				return err
 			}
 		}
-		dead, err := in.DeadLetters(ctx, inbox.Filter{Source: s.Source, Limit: 1000})
+		// The oldest deadNamed: the first is the oldest.
+		dead, err := in.DeadLetters(ctx, inbox.Filter{Source: s.Source, Limit: deadNamed})
 		if err != nil {
 			return err
 		}

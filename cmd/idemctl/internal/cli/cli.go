@@ -29,6 +29,7 @@ const (
 	ExitUnhealthy   = 5 // `check` found a problem
 	ExitNotMigrated = 6 // schema idem is missing or out of date: run `idemctl migrate up`
 	ExitDeadLetters = 7 // `check` found nothing unhealthy but dead letters wait for an operator
+	ExitLeft        = 8 // `inbox replay` went through every dead letter and left some as they are (the counts say why)
 )
 
 // exitError carries an exit code with the one-line message for the user;
@@ -125,7 +126,8 @@ PG* variables), --log-format text|json, --lock-timeout and
 --statement-timeout, before or after its name.
 
 Exit codes: 0 ok, 1 error, 2 usage, 3 database unreachable, 4 locked,
-5 unhealthy, 6 not migrated, 7 dead letters wait (check). See docs/idemctl.md.`
+5 unhealthy, 6 not migrated, 7 dead letters wait (check), 8 dead letters
+left by inbox replay. See docs/idemctl.md.`
 
 // root builds the command tree.
 func (a *app) root() *cobra.Command {

@@ -166,7 +166,9 @@ func TestCheckInboxReconciliation(t *testing.T) {
 	if err != nil || len(dead) != 1 || !dead[0].PayloadLost || !strings.Contains(dead[0].LastError, "gone") {
 		t.Fatalf("dead letters %+v %v", dead, err)
 	}
-	if r := idemctl(t, ctx, env, "inbox", "replay", "--source", "shop"); r.code != 0 || !strings.Contains(r.out, "payload lost") {
+	// Left as it is, with its reason counted: exit 8 (ExitLeft).
+	if r := idemctl(t, ctx, env, "inbox", "replay", "--source", "shop"); r.code != ExitLeft || !strings.Contains(r.out, "payload lost") ||
+		!strings.Contains(r.out, "1 dead letter(s): payload lost 1") {
 		t.Fatalf("replay of a lost payload: %d\n%s%s", r.code, r.out, r.errout)
 	}
 }
