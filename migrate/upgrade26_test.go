@@ -7,17 +7,17 @@ import (
 	"github.com/idemkit/idem/internal/sqlstate"
 )
 
-// TestUpgradeTo29: from version 28 holding data, every key of it stranded
+// TestUpgradeTo26: from version 25 holding data, every key of it stranded
 // in the default partition (the current month's partition is gone), the
-// upgrade to 29 keeps every answer, and idem.move_default_month moves the
+// upgrade to 26 keeps every answer, and idem.move_default_month moves the
 // stranded keys (completed ones and one in progress) into the month's new
-// partition, where they answer as before. Down to 28 removes the
+// partition, where they answer as before. Down to 25 removes the
 // functions and keeps the moved rows in place; up again works.
-func TestUpgradeTo29(t *testing.T) {
+func TestUpgradeTo26(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	_, db, p := setupAt(t)
-	if _, err := p.UpTo(ctx, 28); err != nil {
+	if _, err := p.UpTo(ctx, 25); err != nil {
 		t.Fatal(err)
 	}
 	// The current month's partition is gone (rotation was not running
@@ -35,13 +35,13 @@ func TestUpgradeTo29(t *testing.T) {
 	const month = `idem.utc_month(now())`
 	var made string
 	if err := db.QueryRowContext(ctx, `SELECT idem.make_month(`+month+`)`).Scan(&made); err != nil || made[:5] != "kept:" {
-		t.Fatalf("version 28: make_month of the stranded month: %q %v", made, err)
+		t.Fatalf("version 25: make_month of the stranded month: %q %v", made, err)
 	}
 
-	if _, err := p.UpTo(ctx, 29); err != nil {
+	if _, err := p.UpTo(ctx, 26); err != nil {
 		t.Fatal(err)
 	}
-	seededAnswered(t, db, "after the upgrade to 29")
+	seededAnswered(t, db, "after the upgrade to 26")
 	var months, rows int
 	if err := db.QueryRowContext(ctx, `SELECT count(*), sum(row_count) FROM idem.default_months()`).Scan(&months, &rows); err != nil || months != 1 || rows != 101 {
 		t.Fatalf("default_months: %d months, %d rows (%v), want 1, 101", months, rows, err)
@@ -63,16 +63,16 @@ func TestUpgradeTo29(t *testing.T) {
 	}
 	seededAnswered(t, db, "after the move")
 
-	if _, err := p.DownTo(ctx, 28); err != nil {
+	if _, err := p.DownTo(ctx, 25); err != nil {
 		t.Fatal(err)
 	}
 	var gone bool
 	if err := db.QueryRowContext(ctx, `SELECT to_regprocedure('idem.move_default_month(date, bigint)') IS NULL`).Scan(&gone); err != nil || !gone {
-		t.Fatalf("down to 28 left idem.move_default_month (%v)", err)
+		t.Fatalf("down to 25 left idem.move_default_month (%v)", err)
 	}
-	seededAnswered(t, db, "down at 28")
-	if _, err := p.UpTo(ctx, 29); err != nil {
+	seededAnswered(t, db, "down at 25")
+	if _, err := p.UpTo(ctx, 26); err != nil {
 		t.Fatal(err)
 	}
-	seededAnswered(t, db, "up at 29 again")
+	seededAnswered(t, db, "up at 26 again")
 }

@@ -5,17 +5,17 @@ import (
 	"testing"
 )
 
-// TestUpgradeTo30: from version 29 holding data, the upgrade to 30 keeps
+// TestUpgradeTo27: from version 26 holding data, the upgrade to 27 keeps
 // every answer; a month detached to be dropped whose DROP did not happen
 // (the rotation stopped between the two) is listed by
 // idem.detached_months() as a drop pending, and CALL idem.rotate() drops
 // it; a month CALL idem.rotate(keep_detached => true) detached is kept, and
-// never taken for one. Down to 29 and up again keep every answer.
-func TestUpgradeTo30(t *testing.T) {
+// never taken for one. Down to 26 and up again keep every answer.
+func TestUpgradeTo27(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	_, db, p := setupAt(t)
-	if _, err := p.UpTo(ctx, 29); err != nil {
+	if _, err := p.UpTo(ctx, 26); err != nil {
 		t.Fatal(err)
 	}
 	seedCompleted(t, db)
@@ -30,10 +30,10 @@ func TestUpgradeTo30(t *testing.T) {
 		}
 		return name
 	}
-	if _, err := p.UpTo(ctx, 30); err != nil {
+	if _, err := p.UpTo(ctx, 27); err != nil {
 		t.Fatal(err)
 	}
-	seededAnswered(t, db, "after the upgrade to 30")
+	seededAnswered(t, db, "after the upgrade to 27")
 
 	// A rotation detached last month to drop it, and stopped there.
 	part := lastMonth()
@@ -79,12 +79,12 @@ func TestUpgradeTo30(t *testing.T) {
 	}
 	seededAnswered(t, db, "after the rotations")
 
-	if _, err := p.DownTo(ctx, 29); err != nil {
+	if _, err := p.DownTo(ctx, 26); err != nil {
 		t.Fatal(err)
 	}
-	seededAnswered(t, db, "down at 29")
-	if _, err := p.UpTo(ctx, 30); err != nil {
+	seededAnswered(t, db, "down at 26")
+	if _, err := p.UpTo(ctx, 27); err != nil {
 		t.Fatal(err)
 	}
-	seededAnswered(t, db, "up at 30 again")
+	seededAnswered(t, db, "up at 27 again")
 }
