@@ -6,6 +6,7 @@ import (
 	"errors"
 	"testing"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem"
@@ -104,6 +105,39 @@ func TestDuplicatesReadOnly(t *testing.T) {
 		res, err := standby.Do(ctx, "ro", "k", func(context.Context) (any, error) { return nil, errors.New("ran on the standby") })
 		if err != nil || !res.Replayed || string(res.Result) != "1" {
 			t.Fatalf("read-only duplicate: %+v %v", res, err)
+		}
+	}
+}
+
+// TestDuplicatesReadOnlyLongTTL: a duplicate of a completed key claimed
+// with a ttl above the source's lookback (idem.claim and idem.claim_batch)
+// in a read-only transaction, as on a hot standby, is answered completed
+// from its stored result. Before migration 24 idem.raise_lookback wrote the
+// raised lookback first and the claim failed with 25006.
+func TestDuplicatesReadOnlyLongTTL(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.Pool(t, url, 2)
+	if _, err := pool.Exec(ctx, `INSERT INTO idem.policies (source, ttl, lease) VALUES ('ro-ttl', '1 day', '1 minute')`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := testdb.Client(t, pool, nil).Do(ctx, "ro-ttl", "k", func(context.Context) (any, error) { return 1, nil }); err != nil {
+		t.Fatal(err)
+	}
+	for _, q := range []string{
+		`SELECT outcome || ' ' || result::text FROM idem.claim('ro-ttl', 'k', ttl => '400 days')`,
+		`SELECT string_agg(outcome || ' ' || result::text, ',') FROM idem.claim_batch('ro-ttl', ARRAY['k', 'k'], ttl => '400 days')`,
+	} {
+		tx, err := pool.BeginTx(ctx, pgx.TxOptions{AccessMode: pgx.ReadOnly})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got string
+		err = tx.QueryRow(ctx, q).Scan(&got)
+		_ = tx.Rollback(ctx)
+		if err != nil || (got != "completed 1" && got != "completed 1,completed 1") {
+			t.Errorf("%s, read-only: %q %v, want completed from the stored result", q, got, err)
 		}
 	}
 }
