@@ -9,6 +9,8 @@ DECLARE
     v_counted bigint;
     v_minute  timestamptz;
     v_tag     text;
+    v_set     text;
+    v_key     text;
 BEGIN
     IF p_sample IS NULL OR p_sample < 0 OR p_sample > 1000000 THEN
         RAISE EXCEPTION USING ERRCODE = '22023',
@@ -26,10 +28,22 @@ BEGIN
     -- samples for the rest of it (the minute's count only grows) without
     -- reading idem.activity again: the session setting
     -- idem.sampled_minute remembers the minute and the source (one source
-    -- a session; another source, or the next minute, reads again). It is
-    -- only a cache of a fact every session would read the same.
+    -- a session; another source, or the next minute, reads again).
+    -- (version 24) Any role can set a session setting, and through a
+    -- transaction-mode pooler it carries to the next client: the value
+    -- is the minute and the source signed with idem.sampling_key, which
+    -- only idem's owner reads, so a value idem did not set is read as no
+    -- value (the minute is read from idem.activity, as before).
     v_tag := (EXTRACT(epoch FROM v_minute))::bigint::text OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||) p_source;
-    IF pg_catalog.current_setting('idem.sampled_minute', true) IS DISTINCT FROM v_tag THEN
+    v_set := pg_catalog.current_setting('idem.sampled_minute', true);
+    IF v_set IS NOT NULL AND pg_catalog.starts_with(v_set, v_tag OPERATOR(pg_catalog.||) '/') THEN
+        SELECT k.secret INTO v_key FROM idem.sampling_key k;
+        IF v_set OPERATOR(pg_catalog.=) (v_tag OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||)
+                pg_catalog.md5(v_key OPERATOR(pg_catalog.||) v_tag)) THEN
+            v_tag := NULL; -- signed by idem: sample
+        END IF;
+    END IF;
+    IF v_tag IS NOT NULL THEN
         -- The source's claims counted in this minute (its slots: one per
         -- backend; idem.activity's primary key starts with minute, source).
         SELECT pg_catalog.sum(a.acquired + a.duplicates) INTO v_counted
@@ -38,7 +52,11 @@ BEGIN
         IF coalesce(v_counted, 0) < idem.exact_counting_rate() THEN
             RETURN 1;
         END IF;
-        PERFORM pg_catalog.set_config('idem.sampled_minute', v_tag, false);
+        IF v_key IS NULL THEN
+            SELECT k.secret INTO v_key FROM idem.sampling_key k;
+        END IF;
+        PERFORM pg_catalog.set_config('idem.sampled_minute', v_tag OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||)
+                    pg_catalog.md5(v_key OPERATOR(pg_catalog.||) v_tag), false);
     END IF;
     IF pg_catalog.random() * p_sample < 1 THEN
         RETURN p_sample;
