@@ -26,11 +26,12 @@ func TestRedeliveryDropsDeadPayload(t *testing.T) {
 	if _, err := pool.Exec(ctx, `SELECT idem.queue_hold('hooks', 'evt_1', $1, 101)`, first); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := pool.Exec(ctx, `SELECT idem.queue_keep_payload('hooks', 'evt_1', $1, '{"body": "first"}')`, first); err != nil {
-		t.Fatal(err)
-	}
 	if err := pool.QueryRow(ctx, `SELECT idem.queue_fail('hooks', 'evt_1', $1, $1, 'boom', true)`, first).Scan(&state); err != nil || state != "dead" {
 		t.Fatalf("the first delivery's job dead-lettered: %q %v", state, err)
+	}
+	var kept bool
+	if err := pool.QueryRow(ctx, `SELECT idem.queue_keep_payload('hooks', 'evt_1', $1, '{"body": "first"}')`, first).Scan(&kept); err != nil || !kept {
+		t.Fatalf("the dead letter's payload kept: %v %v", kept, err)
 	}
 	if err := pool.QueryRow(ctx, `SELECT token FROM idem.claim('hooks', 'evt_1')`).Scan(&second); err != nil || second == first {
 		t.Fatalf("the redelivery: token %d (first %d) %v", second, first, err)
