@@ -31,7 +31,8 @@
 --   its payload with its token, job, state and error: the first delivery's
 --   payload was listed as kept under the new token and replayed.
 -- * idem.claim_weight's session setting idem.sampled_minute is signed with
---   idem.sampling_key (a random secret only idem's owner reads): a value
+--   idem.sampling_key() (120 random bits in two sequences only idem's
+--   owner reads, read by a function call, not a query): a value
 --   any role sets, or a pooler carries from another client, is not taken
 --   unless idem set it for this minute and source.
 --
@@ -39,17 +40,21 @@
 
 -- +goose Up
 -- +goose StatementBegin
-CREATE TABLE idem.sampling_key (
-    one    boolean PRIMARY KEY DEFAULT true CHECK (one),
-    secret text NOT NULL
-);
+-- The secret idem.claim_weight signs idem.sampled_minute with: 120 random
+-- bits in two sequences only idem's owner may read (no grant), read with
+-- pg_sequence_last_value, a function call rather than a query on the
+-- claim's path.
+CREATE SEQUENCE idem.sampling_key_a;
 -- +goose StatementEnd
 -- +goose StatementBegin
-INSERT INTO idem.sampling_key (secret)
-SELECT pg_catalog.md5(pg_catalog.gen_random_uuid()::text) OPERATOR(pg_catalog.||) pg_catalog.md5(pg_catalog.gen_random_uuid()::text);
+CREATE SEQUENCE idem.sampling_key_b;
 -- +goose StatementEnd
 -- +goose StatementBegin
-REVOKE ALL ON TABLE idem.sampling_key FROM PUBLIC;
+SELECT pg_catalog.setval('idem.sampling_key_a'::regclass, ('x' OPERATOR(pg_catalog.||) pg_catalog.substr(pg_catalog.md5(pg_catalog.gen_random_uuid()::text), 1, 15))::bit(60)::bigint OPERATOR(pg_catalog.+) 1),
+       pg_catalog.setval('idem.sampling_key_b'::regclass, ('x' OPERATOR(pg_catalog.||) pg_catalog.substr(pg_catalog.md5(pg_catalog.gen_random_uuid()::text), 1, 15))::bit(60)::bigint OPERATOR(pg_catalog.+) 1);
+-- +goose StatementEnd
+-- +goose StatementBegin
+REVOKE ALL ON SEQUENCE idem.sampling_key_a, idem.sampling_key_b FROM PUBLIC;
 -- +goose StatementEnd
 
 -- +goose StatementBegin
@@ -63,6 +68,20 @@ AS $function$
                     WHERE r.oid OPERATOR(pg_catalog.=) trusted_owner.role
                       AND (r.rolsuper OR r.oid OPERATOR(pg_catalog.=)
                            (SELECT n.nspowner FROM pg_catalog.pg_namespace n WHERE n.nspname OPERATOR(pg_catalog.=) 'idem'::name)))
+$function$;
+-- +goose StatementEnd
+
+-- +goose StatementBegin
+CREATE FUNCTION idem.sampling_key() RETURNS text
+    LANGUAGE sql VOLATILE
+AS $function$
+    -- The secret of idem.sampled_minute's signature (idem.claim_weight):
+    -- readable by idem's owner only. Inlined into its caller (no SET
+    -- clause, and VOLATILE as pg_sequence_last_value is: a STABLE wrapper
+    -- is not inlined, and costs four times as much), whose search_path is
+    -- pinned; every name is qualified.
+    SELECT pg_catalog.pg_sequence_last_value('idem.sampling_key_a'::regclass)::text OPERATOR(pg_catalog.||) '.'
+           OPERATOR(pg_catalog.||) pg_catalog.pg_sequence_last_value('idem.sampling_key_b'::regclass)::text
 $function$;
 -- +goose StatementEnd
 
@@ -181,7 +200,7 @@ $function$;
 -- +goose StatementEnd
 
 -- +goose StatementBegin
-REVOKE ALL ON FUNCTION idem.trusted_owner(oid), idem.foreign_type(oid), idem.foreign_objects(regclass, text[]),
+REVOKE ALL ON FUNCTION idem.sampling_key(), idem.trusted_owner(oid), idem.foreign_type(oid), idem.foreign_objects(regclass, text[]),
     idem.check_legacy_reads(regclass, text, text, text) FROM PUBLIC;
 -- +goose StatementEnd
 
@@ -503,8 +522,6 @@ DECLARE
     v_counted bigint;
     v_minute  timestamptz;
     v_tag     text;
-    v_set     text;
-    v_key     text;
 BEGIN
     IF p_sample IS NULL OR p_sample < 0 OR p_sample > 1000000 THEN
         RAISE EXCEPTION USING ERRCODE = '22023',
@@ -524,20 +541,14 @@ BEGIN
     -- idem.sampled_minute remembers the minute and the source (one source
     -- a session; another source, or the next minute, reads again).
     -- (version 24) Any role can set a session setting, and through a
-    -- transaction-mode pooler it carries to the next client: the value
-    -- is the minute and the source signed with idem.sampling_key, which
-    -- only idem's owner reads, so a value idem did not set is read as no
-    -- value (the minute is read from idem.activity, as before).
+    -- transaction-mode pooler it carries to the next client: the value is
+    -- the minute and the source signed with idem.sampling_key(), which only
+    -- idem's owner reads, so a value idem did not set is no value (the
+    -- minute is read from idem.activity, as before). A signed value another
+    -- client left is a true fact: it holds for every session.
     v_tag := (EXTRACT(epoch FROM v_minute))::bigint::text OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||) p_source;
-    v_set := pg_catalog.current_setting('idem.sampled_minute', true);
-    IF v_set IS NOT NULL AND pg_catalog.starts_with(v_set, v_tag OPERATOR(pg_catalog.||) '/') THEN
-        SELECT k.secret INTO v_key FROM idem.sampling_key k;
-        IF v_set OPERATOR(pg_catalog.=) (v_tag OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||)
-                pg_catalog.md5(v_key OPERATOR(pg_catalog.||) v_tag)) THEN
-            v_tag := NULL; -- signed by idem: sample
-        END IF;
-    END IF;
-    IF v_tag IS NOT NULL THEN
+    v_tag := v_tag OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||) pg_catalog.md5(idem.sampling_key() OPERATOR(pg_catalog.||) v_tag);
+    IF pg_catalog.current_setting('idem.sampled_minute', true) IS DISTINCT FROM v_tag THEN
         -- The source's claims counted in this minute (its slots: one per
         -- backend; idem.activity's primary key starts with minute, source).
         SELECT pg_catalog.sum(a.acquired + a.duplicates) INTO v_counted
@@ -546,11 +557,7 @@ BEGIN
         IF coalesce(v_counted, 0) < idem.exact_counting_rate() THEN
             RETURN 1;
         END IF;
-        IF v_key IS NULL THEN
-            SELECT k.secret INTO v_key FROM idem.sampling_key k;
-        END IF;
-        PERFORM pg_catalog.set_config('idem.sampled_minute', v_tag OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||)
-                    pg_catalog.md5(v_key OPERATOR(pg_catalog.||) v_tag), false);
+        PERFORM pg_catalog.set_config('idem.sampled_minute', v_tag, false);
     END IF;
     IF pg_catalog.random() * p_sample < 1 THEN
         RETURN p_sample;
@@ -899,8 +906,11 @@ DROP FUNCTION idem.foreign_objects(regclass, text[]);
 DROP FUNCTION idem.foreign_type(oid);
 -- +goose StatementEnd
 -- +goose StatementBegin
+DROP FUNCTION idem.sampling_key();
+-- +goose StatementEnd
+-- +goose StatementBegin
 DROP FUNCTION idem.trusted_owner(oid);
 -- +goose StatementEnd
 -- +goose StatementBegin
-DROP TABLE idem.sampling_key;
+DROP SEQUENCE idem.sampling_key_a, idem.sampling_key_b;
 -- +goose StatementEnd

@@ -9,8 +9,6 @@ DECLARE
     v_counted bigint;
     v_minute  timestamptz;
     v_tag     text;
-    v_set     text;
-    v_key     text;
 BEGIN
     IF p_sample IS NULL OR p_sample < 0 OR p_sample > 1000000 THEN
         RAISE EXCEPTION USING ERRCODE = '22023',
@@ -30,20 +28,14 @@ BEGIN
     -- idem.sampled_minute remembers the minute and the source (one source
     -- a session; another source, or the next minute, reads again).
     -- (version 24) Any role can set a session setting, and through a
-    -- transaction-mode pooler it carries to the next client: the value
-    -- is the minute and the source signed with idem.sampling_key, which
-    -- only idem's owner reads, so a value idem did not set is read as no
-    -- value (the minute is read from idem.activity, as before).
+    -- transaction-mode pooler it carries to the next client: the value is
+    -- the minute and the source signed with idem.sampling_key(), which only
+    -- idem's owner reads, so a value idem did not set is no value (the
+    -- minute is read from idem.activity, as before). A signed value another
+    -- client left is a true fact: it holds for every session.
     v_tag := (EXTRACT(epoch FROM v_minute))::bigint::text OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||) p_source;
-    v_set := pg_catalog.current_setting('idem.sampled_minute', true);
-    IF v_set IS NOT NULL AND pg_catalog.starts_with(v_set, v_tag OPERATOR(pg_catalog.||) '/') THEN
-        SELECT k.secret INTO v_key FROM idem.sampling_key k;
-        IF v_set OPERATOR(pg_catalog.=) (v_tag OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||)
-                pg_catalog.md5(v_key OPERATOR(pg_catalog.||) v_tag)) THEN
-            v_tag := NULL; -- signed by idem: sample
-        END IF;
-    END IF;
-    IF v_tag IS NOT NULL THEN
+    v_tag := v_tag OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||) pg_catalog.md5(idem.sampling_key() OPERATOR(pg_catalog.||) v_tag);
+    IF pg_catalog.current_setting('idem.sampled_minute', true) IS DISTINCT FROM v_tag THEN
         -- The source's claims counted in this minute (its slots: one per
         -- backend; idem.activity's primary key starts with minute, source).
         SELECT pg_catalog.sum(a.acquired + a.duplicates) INTO v_counted
@@ -52,11 +44,7 @@ BEGIN
         IF coalesce(v_counted, 0) < idem.exact_counting_rate() THEN
             RETURN 1;
         END IF;
-        IF v_key IS NULL THEN
-            SELECT k.secret INTO v_key FROM idem.sampling_key k;
-        END IF;
-        PERFORM pg_catalog.set_config('idem.sampled_minute', v_tag OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||)
-                    pg_catalog.md5(v_key OPERATOR(pg_catalog.||) v_tag), false);
+        PERFORM pg_catalog.set_config('idem.sampled_minute', v_tag, false);
     END IF;
     IF pg_catalog.random() * p_sample < 1 THEN
         RETURN p_sample;

@@ -62,7 +62,11 @@ func TestBadInvocations(t *testing.T) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			r := idemctl(t, ctx, tc.env, tc.args...)
+			// A refusal is immediate; a flag wrongly accepted by run
+			// starts the daemon, which this deadline stops.
+			cctx, cancel := context.WithTimeout(ctx, time.Minute)
+			defer cancel()
+			r := idemctl(t, cctx, tc.env, tc.args...)
 			if r.code != tc.code {
 				t.Fatalf("exit %d, want %d\nstdout: %s\nstderr: %s", r.code, tc.code, r.out, r.errout)
 			}
