@@ -59,15 +59,18 @@ REVOKE ALL ON SEQUENCE idem.sampling_key_a, idem.sampling_key_b FROM PUBLIC;
 
 -- +goose StatementBegin
 CREATE FUNCTION idem.trusted_owner(role oid) RETURNS boolean
-    LANGUAGE sql STABLE
+    LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
+BEGIN
     -- A superuser, or the role that owns schema idem: the only owners
-    -- whose code idem's own functions may run.
-    SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_roles r
-                    WHERE r.oid OPERATOR(pg_catalog.=) trusted_owner.role
-                      AND (r.rolsuper OR r.oid OPERATOR(pg_catalog.=)
-                           (SELECT n.nspowner FROM pg_catalog.pg_namespace n WHERE n.nspname OPERATOR(pg_catalog.=) 'idem'::name)))
+    -- whose code idem's own functions may run. (PL/pgSQL, as foreign_type
+    -- and foreign_objects: a SQL function with a SET clause is planned
+    -- again at every call.)
+    RETURN EXISTS (SELECT 1 FROM pg_roles r
+                    WHERE r.oid = trusted_owner.role
+                      AND (r.rolsuper OR r.oid = (SELECT n.nspowner FROM pg_namespace n WHERE n.nspname = 'idem')));
+END
 $function$;
 -- +goose StatementEnd
 
@@ -87,30 +90,40 @@ $function$;
 
 -- +goose StatementBegin
 CREATE FUNCTION idem.foreign_type(typ oid) RETURNS text
-    LANGUAGE sql STABLE
+    LANGUAGE plpgsql STABLE
     SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
+DECLARE
+    v text;
+BEGIN
     -- The first type, among typ and every type reading a value of typ
     -- can call into (a domain's base types, an array's element type, a
     -- range's subtype, a multirange's range, a composite's attributes),
     -- whose owner is not trusted (idem.trusted_owner), with its owner;
-    -- NULL when there is none.
+    -- NULL when there is none. A type initdb made (an oid below
+    -- FirstNormalObjectId, 16384) is the bootstrap superuser's, and so is
+    -- every type it can call into: answered without the walk.
+    IF foreign_type.typ < 16384 THEN
+        RETURN NULL;
+    END IF;
     WITH RECURSIVE ty(oid) AS (
         SELECT foreign_type.typ
         UNION
         SELECT n.x
-          FROM ty JOIN pg_catalog.pg_type t ON t.oid OPERATOR(pg_catalog.=) ty.oid,
+          FROM ty JOIN pg_type t ON t.oid = ty.oid,
                LATERAL (SELECT t.typbasetype
                         UNION ALL SELECT t.typelem
-                        UNION ALL SELECT r.rngsubtype FROM pg_catalog.pg_range r WHERE r.rngtypid OPERATOR(pg_catalog.=) t.oid
-                        UNION ALL SELECT r.rngtypid FROM pg_catalog.pg_range r WHERE r.rngmultitypid OPERATOR(pg_catalog.=) t.oid
-                        UNION ALL SELECT a.atttypid FROM pg_catalog.pg_attribute a
-                                   WHERE a.attrelid OPERATOR(pg_catalog.=) t.typrelid AND a.attnum OPERATOR(pg_catalog.>) 0::int2 AND NOT a.attisdropped) n(x)
-         WHERE n.x OPERATOR(pg_catalog.<>) 0::oid)
-    SELECT pg_catalog.format('type %s (owner %s)', t.oid::regtype, t.typowner::regrole)
-      FROM ty JOIN pg_catalog.pg_type t ON t.oid OPERATOR(pg_catalog.=) ty.oid
+                        UNION ALL SELECT r.rngsubtype FROM pg_range r WHERE r.rngtypid = t.oid
+                        UNION ALL SELECT r.rngtypid FROM pg_range r WHERE r.rngmultitypid = t.oid
+                        UNION ALL SELECT a.atttypid FROM pg_attribute a
+                                   WHERE a.attrelid = t.typrelid AND a.attnum > 0 AND NOT a.attisdropped) n(x)
+         WHERE n.x <> 0)
+    SELECT format('type %s (owner %s)', t.oid::regtype, t.typowner::regrole) INTO v
+      FROM ty JOIN pg_type t ON t.oid = ty.oid
      WHERE NOT idem.trusted_owner(t.typowner)
-     LIMIT 1
+     LIMIT 1;
+    RETURN v;
+END
 $function$;
 -- +goose StatementEnd
 

@@ -3,29 +3,39 @@
 
 CREATE OR REPLACE FUNCTION idem.foreign_type(typ oid)
  RETURNS text
- LANGUAGE sql
+ LANGUAGE plpgsql
  STABLE
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
+DECLARE
+    v text;
+BEGIN
     -- The first type, among typ and every type reading a value of typ
     -- can call into (a domain's base types, an array's element type, a
     -- range's subtype, a multirange's range, a composite's attributes),
     -- whose owner is not trusted (idem.trusted_owner), with its owner;
-    -- NULL when there is none.
+    -- NULL when there is none. A type initdb made (an oid below
+    -- FirstNormalObjectId, 16384) is the bootstrap superuser's, and so is
+    -- every type it can call into: answered without the walk.
+    IF foreign_type.typ < 16384 THEN
+        RETURN NULL;
+    END IF;
     WITH RECURSIVE ty(oid) AS (
         SELECT foreign_type.typ
         UNION
         SELECT n.x
-          FROM ty JOIN pg_catalog.pg_type t ON t.oid OPERATOR(pg_catalog.=) ty.oid,
+          FROM ty JOIN pg_type t ON t.oid = ty.oid,
                LATERAL (SELECT t.typbasetype
                         UNION ALL SELECT t.typelem
-                        UNION ALL SELECT r.rngsubtype FROM pg_catalog.pg_range r WHERE r.rngtypid OPERATOR(pg_catalog.=) t.oid
-                        UNION ALL SELECT r.rngtypid FROM pg_catalog.pg_range r WHERE r.rngmultitypid OPERATOR(pg_catalog.=) t.oid
-                        UNION ALL SELECT a.atttypid FROM pg_catalog.pg_attribute a
-                                   WHERE a.attrelid OPERATOR(pg_catalog.=) t.typrelid AND a.attnum OPERATOR(pg_catalog.>) 0::int2 AND NOT a.attisdropped) n(x)
-         WHERE n.x OPERATOR(pg_catalog.<>) 0::oid)
-    SELECT pg_catalog.format('type %s (owner %s)', t.oid::regtype, t.typowner::regrole)
-      FROM ty JOIN pg_catalog.pg_type t ON t.oid OPERATOR(pg_catalog.=) ty.oid
+                        UNION ALL SELECT r.rngsubtype FROM pg_range r WHERE r.rngtypid = t.oid
+                        UNION ALL SELECT r.rngtypid FROM pg_range r WHERE r.rngmultitypid = t.oid
+                        UNION ALL SELECT a.atttypid FROM pg_attribute a
+                                   WHERE a.attrelid = t.typrelid AND a.attnum > 0 AND NOT a.attisdropped) n(x)
+         WHERE n.x <> 0)
+    SELECT format('type %s (owner %s)', t.oid::regtype, t.typowner::regrole) INTO v
+      FROM ty JOIN pg_type t ON t.oid = ty.oid
      WHERE NOT idem.trusted_owner(t.typowner)
-     LIMIT 1
+     LIMIT 1;
+    RETURN v;
+END
 $function$;

@@ -3,14 +3,17 @@
 
 CREATE OR REPLACE FUNCTION idem.trusted_owner(role oid)
  RETURNS boolean
- LANGUAGE sql
+ LANGUAGE plpgsql
  STABLE
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
+BEGIN
     -- A superuser, or the role that owns schema idem: the only owners
-    -- whose code idem's own functions may run.
-    SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_roles r
-                    WHERE r.oid OPERATOR(pg_catalog.=) trusted_owner.role
-                      AND (r.rolsuper OR r.oid OPERATOR(pg_catalog.=)
-                           (SELECT n.nspowner FROM pg_catalog.pg_namespace n WHERE n.nspname OPERATOR(pg_catalog.=) 'idem'::name)))
+    -- whose code idem's own functions may run. (PL/pgSQL, as foreign_type
+    -- and foreign_objects: a SQL function with a SET clause is planned
+    -- again at every call.)
+    RETURN EXISTS (SELECT 1 FROM pg_roles r
+                    WHERE r.oid = trusted_owner.role
+                      AND (r.rolsuper OR r.oid = (SELECT n.nspowner FROM pg_namespace n WHERE n.nspname = 'idem')));
+END
 $function$;
