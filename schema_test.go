@@ -147,6 +147,8 @@ func TestDuplicatesReadOnlyLongTTL(t *testing.T) {
 // answered from its stored result, with the duplicate counter sampling
 // each one (migration 16), and a new key is refused, not run. Before, each
 // sampled duplicate (one in eight by default) failed with 25006.
+// A duplicate claimed with a ttl above the source's lookback is answered
+// too (migration 24; before, idem.raise_lookback's insert failed it).
 func TestDuplicatesOnStandby(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -185,6 +187,12 @@ func TestDuplicatesOnStandby(t *testing.T) {
 		if err != nil || !res.Replayed || string(res.Result) != "1" {
 			t.Fatalf("duplicate on the standby: %+v %v", res, err)
 		}
+	}
+	// A ttl above the source's lookback (migration 24): answered, not
+	// 25006 from the lookback's insert.
+	var long string
+	if err := pool.QueryRow(ctx, `SELECT outcome || ' ' || result::text FROM idem.claim('ro', 'k', ttl => '400 days')`).Scan(&long); err != nil || long != "completed 1" {
+		t.Fatalf("duplicate on the standby with a ttl above the lookback: %q %v", long, err)
 	}
 	ran := false
 	if _, err := c.Do(ctx, "ro", "new", func(context.Context) (any, error) { ran = true; return 1, nil }); err == nil || ran {
