@@ -237,3 +237,59 @@ func TestBaseTypeNeedsSuperuser(t *testing.T) {
 		}
 	}
 }
+
+// TestRiverTablesNotTheApplications: the other tables idem's tools read
+// (idemctl inbox list and replay, stats, the dashboard, as the maintainer
+// or a superuser) are River's. migrate up makes them as idem's owner; the
+// application role, granted the rows it needs (idemctl grant --app), owns
+// none of them and cannot give them an index, statistics object, trigger
+// or check of its own that a read by another role would run.
+func TestRiverTablesNotTheApplications(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url, admin, app := ownedLegacy(t)
+	if r := idemctl(t, ctx, nil, "migrate", "up", "--database-url", url); r.code != 0 {
+		t.Fatalf("migrate up (River's tables): %+v", r)
+	}
+	if r := idemctl(t, ctx, nil, "grant", "--database-url", url, "--app", roleOf(t, app)); r.code != 0 {
+		t.Fatalf("grant after River's tables: %+v", r)
+	}
+	var foreign []string
+	rows, err := admin.Query(ctx, `
+		SELECT c.oid::regclass::text FROM pg_class c
+		 WHERE c.relname LIKE 'river\_%' AND c.relkind IN ('r', 'p', 'S')
+		   AND NOT EXISTS (SELECT 1 FROM pg_roles r WHERE r.oid = c.relowner
+		                      AND (r.rolsuper OR r.oid = (SELECT n.nspowner FROM pg_namespace n WHERE n.nspname = 'idem')))`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if foreign, err = pgx.CollectRows(rows, pgx.RowTo[string]); err != nil {
+		t.Fatal(err)
+	}
+	if len(foreign) > 0 {
+		t.Errorf("River's tables owned by a role other than a superuser or idem's owner: %v", foreign)
+	}
+	for _, q := range []string{
+		`CREATE INDEX ON river_job ((kind || public.watch_i(1)::text))`,
+		`CREATE STATISTICS public.app_river ON (kind || public.watch_i(2)::text), queue FROM river_job`,
+		`CREATE TRIGGER app_river BEFORE INSERT ON river_job FOR EACH ROW EXECUTE FUNCTION suppress_redundant_updates_trigger()`,
+		`ALTER TABLE river_job ADD CHECK (public.watch_i(3) > 0)`,
+	} {
+		if _, err := app.Exec(ctx, q); err == nil {
+			t.Errorf("the application role could run %s", q)
+		}
+	}
+	if ran := fired(t, admin); len(ran) > 0 {
+		t.Errorf("the application's code ran: %v", ran)
+	}
+}
+
+// roleOf is the role pool connects as.
+func roleOf(t *testing.T, pool *pgxpool.Pool) string {
+	t.Helper()
+	var role string
+	if err := pool.QueryRow(context.Background(), `SELECT current_user`).Scan(&role); err != nil {
+		t.Fatal(err)
+	}
+	return role
+}
