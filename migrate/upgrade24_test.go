@@ -15,7 +15,7 @@ import (
 // answer; the plain adoption goes on and ends, while the one whose read
 // would run another role's code is refused, by the copy and by the claims
 // that consult it. A duplicate claimed read-only with a ttl above the
-// lookback is answered; idem.sampling_key() reads a secret. Down to 23 and up
+// lookback is answered; idem.sampling_key_a and _b hold a secret. Down to 23 and up
 // again.
 func TestUpgradeTo24(t *testing.T) {
 	t.Parallel()
@@ -84,9 +84,10 @@ func TestUpgradeTo24(t *testing.T) {
 	if err != nil || ro != "completed" {
 		t.Fatalf("version 24, a read-only duplicate with a ttl above the lookback: %q %v", ro, err)
 	}
-	var secret int
-	if err := db.QueryRowContext(ctx, `SELECT length(idem.sampling_key())`).Scan(&secret); err != nil || secret < 3 {
-		t.Fatalf("version 24, idem.sampling_key(): a secret of %d characters (%v)", secret, err)
+	var secret bool
+	if err := db.QueryRowContext(ctx, `SELECT pg_sequence_last_value('idem.sampling_key_a') > 0 AND pg_sequence_last_value('idem.sampling_key_b') > 0
+		AND NOT has_sequence_privilege('`+role+`', 'idem.sampling_key_a', 'SELECT, USAGE, UPDATE')`).Scan(&secret); err != nil || !secret {
+		t.Fatalf("version 24, idem.sampling_key_a and _b: a secret only the owner reads: %v %v", secret, err)
 	}
 
 	if _, err := p.DownTo(ctx, 23); err != nil {

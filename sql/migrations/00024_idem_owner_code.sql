@@ -31,8 +31,9 @@
 --   its payload with its token, job, state and error: the first delivery's
 --   payload was listed as kept under the new token and replayed.
 -- * idem.claim_weight's session setting idem.sampled_minute is signed with
---   idem.sampling_key() (120 random bits in two sequences only idem's
---   owner reads, read by a function call, not a query): a value
+--   a secret (120 random bits in the sequences idem.sampling_key_a and _b,
+--   which only idem's owner reads, read by pg_sequence_last_value, a
+--   function call, not a query): a value
 --   any role sets, or a pooler carries from another client, is not taken
 --   unless idem set it for this minute and source.
 --
@@ -71,20 +72,6 @@ BEGIN
                     WHERE r.oid = trusted_owner.role
                       AND (r.rolsuper OR r.oid = (SELECT n.nspowner FROM pg_namespace n WHERE n.nspname = 'idem')));
 END
-$function$;
--- +goose StatementEnd
-
--- +goose StatementBegin
-CREATE FUNCTION idem.sampling_key() RETURNS text
-    LANGUAGE sql VOLATILE
-AS $function$
-    -- The secret of idem.sampled_minute's signature (idem.claim_weight):
-    -- readable by idem's owner only. Inlined into its caller (no SET
-    -- clause, and VOLATILE as pg_sequence_last_value is: a STABLE wrapper
-    -- is not inlined, and costs four times as much), whose search_path is
-    -- pinned; every name is qualified.
-    SELECT pg_catalog.pg_sequence_last_value('idem.sampling_key_a'::regclass)::text OPERATOR(pg_catalog.||) '.'
-           OPERATOR(pg_catalog.||) pg_catalog.pg_sequence_last_value('idem.sampling_key_b'::regclass)::text
 $function$;
 -- +goose StatementEnd
 
@@ -213,7 +200,7 @@ $function$;
 -- +goose StatementEnd
 
 -- +goose StatementBegin
-REVOKE ALL ON FUNCTION idem.sampling_key(), idem.trusted_owner(oid), idem.foreign_type(oid), idem.foreign_objects(regclass, text[]),
+REVOKE ALL ON FUNCTION idem.trusted_owner(oid), idem.foreign_type(oid), idem.foreign_objects(regclass, text[]),
     idem.check_legacy_reads(regclass, text, text, text) FROM PUBLIC;
 -- +goose StatementEnd
 
@@ -555,13 +542,21 @@ BEGIN
     -- a session; another source, or the next minute, reads again).
     -- (version 24) Any role can set a session setting, and through a
     -- transaction-mode pooler it carries to the next client: the value is
-    -- the minute and the source signed with idem.sampling_key(), which only
-    -- idem's owner reads, so a value idem did not set is no value (the
+    -- the minute and the source signed with the secret in the sequences
+    -- idem.sampling_key_a and _b, which only idem's owner reads (a
+    -- function call each, not a query), so a value idem did not set is no
+    -- value (the
     -- minute is read from idem.activity, as before). A signed value another
-    -- client left is a true fact: it holds for every session.
-    v_tag := (EXTRACT(epoch FROM v_minute))::bigint::text OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||) p_source;
-    v_tag := v_tag OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||) pg_catalog.md5(idem.sampling_key() OPERATOR(pg_catalog.||) v_tag);
-    IF pg_catalog.current_setting('idem.sampled_minute', true) IS DISTINCT FROM v_tag THEN
+    -- client left is a true fact: it holds for every session. A claim
+    -- delegated to a Citus worker (idem.citus = on), where the secret's
+    -- sequences are not, remembers nothing and reads each time.
+    IF pg_catalog.current_setting('idem.citus', true) IS DISTINCT FROM 'on' THEN
+        v_tag := (EXTRACT(epoch FROM v_minute))::bigint::text OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||) p_source;
+        v_tag := v_tag OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||) pg_catalog.md5(
+                     pg_catalog.pg_sequence_last_value('idem.sampling_key_a'::regclass)::text OPERATOR(pg_catalog.||) '.' OPERATOR(pg_catalog.||)
+                     pg_catalog.pg_sequence_last_value('idem.sampling_key_b'::regclass)::text OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||) v_tag);
+    END IF;
+    IF v_tag IS NULL OR pg_catalog.current_setting('idem.sampled_minute', true) IS DISTINCT FROM v_tag THEN
         -- The source's claims counted in this minute (its slots: one per
         -- backend; idem.activity's primary key starts with minute, source).
         SELECT pg_catalog.sum(a.acquired + a.duplicates) INTO v_counted
@@ -570,7 +565,9 @@ BEGIN
         IF coalesce(v_counted, 0) < idem.exact_counting_rate() THEN
             RETURN 1;
         END IF;
-        PERFORM pg_catalog.set_config('idem.sampled_minute', v_tag, false);
+        IF v_tag IS NOT NULL THEN
+            PERFORM pg_catalog.set_config('idem.sampled_minute', v_tag, false);
+        END IF;
     END IF;
     IF pg_catalog.random() * p_sample < 1 THEN
         RETURN p_sample;
@@ -917,9 +914,6 @@ DROP FUNCTION idem.foreign_objects(regclass, text[]);
 -- +goose StatementEnd
 -- +goose StatementBegin
 DROP FUNCTION idem.foreign_type(oid);
--- +goose StatementEnd
--- +goose StatementBegin
-DROP FUNCTION idem.sampling_key();
 -- +goose StatementEnd
 -- +goose StatementBegin
 DROP FUNCTION idem.trusted_owner(oid);
