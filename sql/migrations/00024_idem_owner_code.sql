@@ -351,15 +351,15 @@ BEGIN
         e.key_expr, a.key_column, e.at_expr, e.result_expr, a.legacy, e.key_type)
     INTO read, copied, v_last, v_future, v_bad, v_nostamp
     USING a.last_key, adopt_batch.batch_size, a.source, v_now, a.ttl;
-    -- (version 24) Checked again once read: an index or statistics object
-    -- committed between the check and the read's planning (whose constant
-    -- parts planning evaluates) undoes the batch and everything it ran.
-    PERFORM idem.check_legacy_reads(a.legacy, a.key_column, a.at_column, a.result_column);
     done := read < adopt_batch.batch_size;
     IF done THEN
         EXECUTE format('SELECT count(*) FROM %s l WHERE l.%I IS NULL', a.legacy, a.key_column) INTO v_nulls;
         read := read + v_nulls;
     END IF;
+    -- (version 24) Checked again once read: an index or statistics object
+    -- committed between the check and the reads' planning (whose constant
+    -- parts planning evaluates) undoes the batch and everything it ran.
+    PERFORM idem.check_legacy_reads(a.legacy, a.key_column, a.at_column, a.result_column);
     skipped := read - copied;
     UPDATE idem.adoptions x
        SET last_key = coalesce(v_last, x.last_key), copied = x.copied + adopt_batch.copied,
