@@ -6,6 +6,7 @@ import (
 	"errors"
 	"testing"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem"
@@ -108,11 +109,46 @@ func TestDuplicatesReadOnly(t *testing.T) {
 	}
 }
 
+// TestDuplicatesReadOnlyLongTTL: a duplicate of a completed key claimed
+// with a ttl above the source's lookback (idem.claim and idem.claim_batch)
+// in a read-only transaction, as on a hot standby, is answered completed
+// from its stored result. Before migration 24 idem.raise_lookback wrote the
+// raised lookback first and the claim failed with 25006.
+func TestDuplicatesReadOnlyLongTTL(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	pool := testdb.Pool(t, url, 2)
+	if _, err := pool.Exec(ctx, `INSERT INTO idem.policies (source, ttl, lease) VALUES ('ro-ttl', '1 day', '1 minute')`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := testdb.Client(t, pool, nil).Do(ctx, "ro-ttl", "k", func(context.Context) (any, error) { return 1, nil }); err != nil {
+		t.Fatal(err)
+	}
+	for _, q := range []string{
+		`SELECT outcome || ' ' || result::text FROM idem.claim('ro-ttl', 'k', ttl => '400 days')`,
+		`SELECT string_agg(outcome || ' ' || result::text, ',') FROM idem.claim_batch('ro-ttl', ARRAY['k', 'k'], ttl => '400 days')`,
+	} {
+		tx, err := pool.BeginTx(ctx, pgx.TxOptions{AccessMode: pgx.ReadOnly})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got string
+		err = tx.QueryRow(ctx, q).Scan(&got)
+		_ = tx.Rollback(ctx)
+		if err != nil || (got != "completed 1" && got != "completed 1,completed 1") {
+			t.Errorf("%s, read-only: %q %v, want completed from the stored result", q, got, err)
+		}
+	}
+}
+
 // TestDuplicatesOnStandby: on a real hot standby (streaming replication
 // from a primary of its own), every duplicate of a completed key is
 // answered from its stored result, with the duplicate counter sampling
 // each one (migration 16), and a new key is refused, not run. Before, each
 // sampled duplicate (one in eight by default) failed with 25006.
+// A duplicate claimed with a ttl above the source's lookback is answered
+// too (migration 24; before, idem.raise_lookback's insert failed it).
 func TestDuplicatesOnStandby(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -151,6 +187,12 @@ func TestDuplicatesOnStandby(t *testing.T) {
 		if err != nil || !res.Replayed || string(res.Result) != "1" {
 			t.Fatalf("duplicate on the standby: %+v %v", res, err)
 		}
+	}
+	// A ttl above the source's lookback (migration 24): answered, not
+	// 25006 from the lookback's insert.
+	var long string
+	if err := pool.QueryRow(ctx, `SELECT outcome || ' ' || result::text FROM idem.claim('ro', 'k', ttl => '400 days')`).Scan(&long); err != nil || long != "completed 1" {
+		t.Fatalf("duplicate on the standby with a ttl above the lookback: %q %v", long, err)
 	}
 	ran := false
 	if _, err := c.Do(ctx, "ro", "new", func(context.Context) (any, error) { ran = true; return 1, nil }); err == nil || ran {

@@ -31,8 +31,11 @@ BEGIN
     SELECT * INTO e FROM idem.adopt_exprs(a);
     -- A legacy relation that would run its owner's code as this reader
     -- (made a view, given row level security since adopt_start) is
-    -- refused (idem.check_legacy, migration 14).
-    PERFORM idem.check_legacy(a.legacy);
+    -- refused (idem.check_legacy, migration 14), and so is one whose read
+    -- would call into an object of a role that is neither a superuser nor
+    -- idem's owner (version 24: a column's type or collation changed, an
+    -- index, statistics or check added since adopt_start).
+    PERFORM idem.check_legacy_reads(a.legacy, a.key_column, a.at_column, a.result_column);
     -- (version 15) Legacy rows as they really are: a NULL key is never
     -- paged over (counted once, at the end), a key idem cannot hold
     -- (empty, blank, over 512 bytes) or a row with no processed-at is
@@ -76,6 +79,10 @@ BEGIN
         EXECUTE format('SELECT count(*) FROM %s l WHERE l.%I IS NULL', a.legacy, a.key_column) INTO v_nulls;
         read := read + v_nulls;
     END IF;
+    -- (version 24) Checked again once read: an index or statistics object
+    -- committed between the check and the reads' planning (whose constant
+    -- parts planning evaluates) undoes the batch and everything it ran.
+    PERFORM idem.check_legacy_reads(a.legacy, a.key_column, a.at_column, a.result_column);
     skipped := read - copied;
     UPDATE idem.adoptions x
        SET last_key = coalesce(v_last, x.last_key), copied = x.copied + adopt_batch.copied,

@@ -29,8 +29,11 @@ BEGIN
     SELECT * INTO e FROM idem.adopt_exprs(a);
     -- A legacy relation that would run its owner's code as this reader
     -- (made a view, given row level security since adopt_start) is
-    -- refused (idem.check_legacy, migration 14).
-    PERFORM idem.check_legacy(a.legacy);
+    -- refused (idem.check_legacy, migration 14), and so is one whose read
+    -- would call into an object of a role that is neither a superuser nor
+    -- idem's owner (version 24: a column's type or collation changed, an
+    -- index, statistics or check added since adopt_start).
+    PERFORM idem.check_legacy_reads(a.legacy, a.key_column, a.at_column, a.result_column);
     -- (version 15) The legacy row is found through its key column's own
     -- type (its index), and must then read back as exactly this key, as
     -- the copy writes it: a key the type cannot hold (out of range, not of
@@ -43,8 +46,13 @@ BEGIN
                        e.at_expr, e.result_expr, a.legacy, a.key_column, e.key_type, e.key_expr)
            INTO v_at, v_res USING adopt_key.key;
     EXCEPTION WHEN data_exception THEN
-        RETURN; -- a key that cannot be of the legacy key's type is not there
+        v_at := NULL; -- a key that cannot be of the legacy key's type is not there
     END;
+    -- (version 24) Checked again once read: an index or statistics object
+    -- committed between the check and the read's planning (whose constant
+    -- parts planning evaluates) fails the claim and undoes everything the
+    -- read ran with it.
+    PERFORM idem.check_legacy_reads(a.legacy, a.key_column, a.at_column, a.result_column);
     IF v_at IS NULL OR v_at + a.ttl <= adopt_key.now THEN
         RETURN; -- not processed there, or its retention is over: a new key
     END IF;

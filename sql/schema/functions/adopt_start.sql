@@ -34,6 +34,10 @@ BEGIN
         RAISE EXCEPTION USING ERRCODE = '42804',
             MESSAGE = format('idem.adopt_start: %s.%I is not a timestamp or a date', adopt_start.legacy, adopt_start.at_column);
     END IF;
+    -- (version 24) Nothing reading the table calls is the application's:
+    -- the columns' types and collations, its indexes', statistics' and
+    -- checks' expressions (idem.check_legacy_reads).
+    PERFORM idem.check_legacy_reads(adopt_start.legacy, adopt_start.key_column, adopt_start.at_column, adopt_start.result_column);
     SELECT x.id INTO v_id FROM idem.adoptions x WHERE x.source = adopt_start.source AND x.state = 'copying';
     IF FOUND THEN
         SELECT * INTO a FROM idem.adoptions x WHERE x.id = v_id;
@@ -57,6 +61,8 @@ BEGIN
     -- The months the live legacy rows were processed in.
     SELECT * INTO e FROM idem.adopt_exprs(a);
     EXECUTE format('SELECT min(%s) FROM %s l WHERE %s > $1', e.at_expr, a.legacy, e.at_expr) INTO v_min USING idem.clock() - v_ttl;
+    -- And nothing was added while it was read (see idem.adopt_key).
+    PERFORM idem.check_legacy_reads(a.legacy, a.key_column, a.at_column, a.result_column);
     IF v_min IS NOT NULL THEN
         FOR v_m IN SELECT g::date FROM generate_series(idem.utc_month(v_min)::timestamp, idem.utc_month(idem.clock())::timestamp, interval '1 month') g LOOP
             PERFORM idem.create_partition(v_m);

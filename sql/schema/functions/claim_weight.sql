@@ -26,10 +26,24 @@ BEGIN
     -- samples for the rest of it (the minute's count only grows) without
     -- reading idem.activity again: the session setting
     -- idem.sampled_minute remembers the minute and the source (one source
-    -- a session; another source, or the next minute, reads again). It is
-    -- only a cache of a fact every session would read the same.
-    v_tag := (EXTRACT(epoch FROM v_minute))::bigint::text OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||) p_source;
-    IF pg_catalog.current_setting('idem.sampled_minute', true) IS DISTINCT FROM v_tag THEN
+    -- a session; another source, or the next minute, reads again).
+    -- (version 24) Any role can set a session setting, and through a
+    -- transaction-mode pooler it carries to the next client: the value is
+    -- the minute and the source signed with the secret in the sequences
+    -- idem.sampling_key_a and _b, which only idem's owner reads (a
+    -- function call each, not a query), so a value idem did not set is no
+    -- value (the
+    -- minute is read from idem.activity, as before). A signed value another
+    -- client left is a true fact: it holds for every session. A claim
+    -- delegated to a Citus worker (idem.citus = on), where the secret's
+    -- sequences are not, remembers nothing and reads each time.
+    IF pg_catalog.current_setting('idem.citus', true) IS DISTINCT FROM 'on' THEN
+        v_tag := (EXTRACT(epoch FROM v_minute))::bigint::text OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||) p_source;
+        v_tag := v_tag OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||) pg_catalog.md5(
+                     pg_catalog.pg_sequence_last_value('idem.sampling_key_a'::regclass)::text OPERATOR(pg_catalog.||) '.' OPERATOR(pg_catalog.||)
+                     pg_catalog.pg_sequence_last_value('idem.sampling_key_b'::regclass)::text OPERATOR(pg_catalog.||) '/' OPERATOR(pg_catalog.||) v_tag);
+    END IF;
+    IF v_tag IS NULL OR pg_catalog.current_setting('idem.sampled_minute', true) IS DISTINCT FROM v_tag THEN
         -- The source's claims counted in this minute (its slots: one per
         -- backend; idem.activity's primary key starts with minute, source).
         SELECT pg_catalog.sum(a.acquired + a.duplicates) INTO v_counted
@@ -38,7 +52,9 @@ BEGIN
         IF coalesce(v_counted, 0) < idem.exact_counting_rate() THEN
             RETURN 1;
         END IF;
-        PERFORM pg_catalog.set_config('idem.sampled_minute', v_tag, false);
+        IF v_tag IS NOT NULL THEN
+            PERFORM pg_catalog.set_config('idem.sampled_minute', v_tag, false);
+        END IF;
     END IF;
     IF pg_catalog.random() * p_sample < 1 THEN
         RETURN p_sample;

@@ -37,7 +37,10 @@ BEGIN
     END IF;
     UPDATE idem.holds h
        SET token = queue_hold.token, job_id = queue_hold.job_id, state = 'queued', held_at = idem.clock(),
-           dead_at = NULL, error = NULL
+           dead_at = NULL, error = NULL,
+           -- (version 24) the dead letter's payload was the delivery's it
+           -- takes over; the new delivery keeps its own (queue_keep_payload)
+           payload = NULL
      WHERE h.source = queue_hold.source AND h.key = queue_hold.key;
     RETURN v_old;
 END

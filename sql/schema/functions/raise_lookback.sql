@@ -13,6 +13,13 @@ BEGIN
     IF p_source IS NULL OR p_need IS NULL THEN
         RAISE EXCEPTION USING ERRCODE = '22004', MESSAGE = 'idem.raise_lookback: source and need must not be NULL';
     END IF;
+    -- (version 24) A read-only transaction (a hot standby, or one begun
+    -- READ ONLY) cannot record it: this claim looks back as far as it
+    -- needs, and a duplicate is answered from its stored result; the
+    -- primary records it on its next such claim.
+    IF pg_catalog.current_setting('transaction_read_only') = 'on' THEN
+        RETURN greatest(v, (SELECT max(l.lookback) FROM idem.lookbacks l WHERE l.source IN (p_source, '*')));
+    END IF;
     INSERT INTO idem.lookbacks AS l (source, lookback) VALUES (p_source, v)
     ON CONFLICT (source) DO UPDATE SET lookback = EXCLUDED.lookback, raised_at = now()
      WHERE l.lookback < EXCLUDED.lookback;

@@ -46,6 +46,11 @@ func TestBadInvocations(t *testing.T) {
 		{"too many cron fields", none, []string{"run", "--database-url", migrated, "--rotate-schedule", "* * * * * * *"}, ExitUsage, "is not a valid cron spec"},
 		{"bad cron time zone", none, []string{"run", "--database-url", migrated, "--prune-schedule", "CRON_TZ=Mars/Olympus 0 3 * * *"}, ExitUsage, "is not a valid cron spec"},
 		{"bad @every", none, []string{"run", "--database-url", migrated, "--prune-schedule", "@every soon"}, ExitUsage, "is not a valid cron spec"},
+		{"zero @every", none, []string{"run", "--database-url", migrated, "--stats-schedule", "@every 0s"}, ExitUsage, `--stats-schedule "@every 0s": an @every interval must be a whole number of seconds, at least 1s`},
+		{"negative @every", none, []string{"run", "--database-url", migrated, "--prune-schedule", "@every -5m"}, ExitUsage, "at least 1s"},
+		{"sub-second @every", none, []string{"run", "--database-url", migrated, "--rotate-schedule", "@every 500ms"}, ExitUsage, "at least 1s"},
+		{"negative shutdown timeout", none, []string{"run", "--database-url", migrated, "--shutdown-timeout", "-1s"}, ExitUsage, "--shutdown-timeout -1s must be positive"},
+		{"zero shutdown timeout", none, []string{"run", "--database-url", migrated, "--shutdown-timeout", "0"}, ExitUsage, "--shutdown-timeout 0s must be positive"},
 		{"malformed URL", none, []string{"stats", "--database-url", "postgres://u:hunter2@[::1"}, ExitUsage, "invalid database URL (from --database-url)"},
 		{"malformed DATABASE_URL", map[string]string{"DATABASE_URL": "postgres://%zz"}, []string{"check"}, ExitUsage, "invalid database URL (from DATABASE_URL)"},
 		{"unreachable", none, []string{"stats", "--database-url", "postgres://u:hunter2@127.0.0.1:1/x?connect_timeout=2"}, ExitUnreachable, "cannot reach the database at 127.0.0.1:1: connect: connection refused"},
@@ -57,7 +62,11 @@ func TestBadInvocations(t *testing.T) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			r := idemctl(t, ctx, tc.env, tc.args...)
+			// A refusal is immediate; a flag wrongly accepted by run
+			// starts the daemon, which this deadline stops.
+			cctx, cancel := context.WithTimeout(ctx, time.Minute)
+			defer cancel()
+			r := idemctl(t, cctx, tc.env, tc.args...)
 			if r.code != tc.code {
 				t.Fatalf("exit %d, want %d\nstdout: %s\nstderr: %s", r.code, tc.code, r.out, r.errout)
 			}

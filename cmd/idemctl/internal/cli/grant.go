@@ -1,10 +1,14 @@
 package cli
 
 import (
+	"errors"
 	"fmt"
+
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/spf13/cobra"
 
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/sqlstate"
 )
 
 func init() { register(newGrantCmd) }
@@ -46,6 +50,13 @@ func newGrantCmd(a *app) *cobra.Command {
 				continue
 			}
 			if _, err := pool.Exec(ctx, "SELECT "+x.fn+"($1::regrole)", x.role); err != nil {
+				// A grant that would make one role both application and
+				// maintainer is refused as the one-role flags are: a
+				// usage error (exit 2), as docs/idemctl.md says.
+				var pg *pgconn.PgError
+				if errors.As(err, &pg) && pg.Code == sqlstate.RoleConflict {
+					return withCode(ExitUsage, fmt.Errorf("%s(%q): %w", x.fn, x.role, err))
+				}
 				return fmt.Errorf("%s(%q): %w", x.fn, x.role, err)
 			}
 			fmt.Fprintf(io.Out, "granted %s to %s\n", map[string]string{"idem.grant_app": "the application rights", "idem.grant_maintainer": "the maintainer rights"}[x.fn], x.role)

@@ -265,7 +265,7 @@ func TestGrantNeverBoth(t *testing.T) {
 				t.Fatalf("grant %s: %+v", order[0], res)
 			}
 			res := idemctl(t, ctx, nil, "grant", "--database-url", url, order[1], r)
-			if res.code == 0 || !strings.Contains(res.errout, "would hold both") {
+			if res.code != ExitUsage || !strings.Contains(res.errout, "would hold both") {
 				t.Fatalf("grant %s after %s to one role: exit %d\n%s", order[1], order[0], res.code, res.errout)
 			}
 			if a, m := granted(r); a && m {
@@ -286,7 +286,7 @@ func TestGrantNeverBoth(t *testing.T) {
 		for _, flag := range []string{"--app", "--maintainer"} {
 			role := map[string]string{"--app": app, "--maintainer": maint}[flag]
 			res := idemctl(t, ctx, nil, "grant", "--database-url", url, flag, role)
-			if res.code == 0 || !strings.Contains(res.errout, "role "+app+" would hold both") {
+			if res.code != ExitUsage || !strings.Contains(res.errout, "role "+app+" would hold both") {
 				t.Fatalf("grant %s %s with %s a member of %s: exit %d\n%s", flag, role, app, maint, res.code, res.errout)
 			}
 		}

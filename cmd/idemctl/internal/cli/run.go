@@ -39,7 +39,22 @@ func parseSpec(flagName, spec string) (s cron.Schedule, err error) {
 	if err != nil {
 		return nil, usageErr("%s %q is not a valid cron spec: %v (examples: \"@every 5m\", \"@daily\", \"CRON_TZ=Europe/Paris 0 3 * * *\")", flagName, spec, err)
 	}
+	// The cron package runs "@every 0s", "@every -1s" and "@every 500ms"
+	// every second: refused, as every other zero or negative duration is.
+	if every, ok := s.(cron.ConstantDelaySchedule); ok {
+		if d, perr := time.ParseDuration(everyArg(spec)); perr != nil || d < time.Second || every.Delay != d {
+			return nil, usageErr("%s %q: an @every interval must be a whole number of seconds, at least 1s", flagName, spec)
+		}
+	}
 	return s, nil
+}
+
+// everyArg is what follows "@every" in spec (after any CRON_TZ= prefix).
+func everyArg(spec string) string {
+	if i := strings.Index(spec, "@every"); i >= 0 {
+		return strings.TrimSpace(spec[i+len("@every"):])
+	}
+	return ""
 }
 
 // testHook, when set by tests, sees the scheduler before it starts.
@@ -104,6 +119,9 @@ func newRunCmd(a *app) *cobra.Command {
 		}
 		if (*dashActions || *dashResults || len(dashHosts) > 0 || len(trusted) > 0) && !*serveDash {
 			return usageErr("--http-actions, --http-results, --http-host and --http-trusted-proxy need --http")
+		}
+		if *shutdownWait <= 0 {
+			return usageErr("--shutdown-timeout %v must be positive (how long SIGTERM waits for a running job)", *shutdownWait)
 		}
 		if tmo.read <= 0 || tmo.write <= 0 || tmo.idle <= 0 {
 			return usageErr("--http-read-timeout, --http-write-timeout and --http-idle-timeout must be positive (a server without them keeps a slow or idle client's connection forever)")
