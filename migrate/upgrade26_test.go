@@ -3,16 +3,14 @@ package migrate_test
 import (
 	"context"
 	"testing"
-
-	"github.com/idemkit/idem/internal/sqlstate"
 )
 
-// TestUpgradeTo26: from version 25 holding data, every key of it stranded
-// in the default partition (the current month's partition is gone), the
-// upgrade to 26 keeps every answer, and idem.move_default_month moves the
-// stranded keys (completed ones and one in progress) into the month's new
-// partition, where they answer as before. Down to 25 removes the
-// functions and keeps the moved rows in place; up again works.
+// TestUpgradeTo26: from version 25 holding data, the upgrade to 26 keeps
+// every answer; a month detached to be dropped whose DROP did not happen
+// (the rotation stopped between the two) is listed by
+// idem.detached_months() as a drop pending, and CALL idem.rotate() drops
+// it; a month CALL idem.rotate(keep_detached => true) detached is kept, and
+// never taken for one. Down to 25 and up again keep every answer.
 func TestUpgradeTo26(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -20,55 +18,69 @@ func TestUpgradeTo26(t *testing.T) {
 	if _, err := p.UpTo(ctx, 25); err != nil {
 		t.Fatal(err)
 	}
-	// The current month's partition is gone (rotation was not running
-	// when the month began): its keys land in the default partition, and
-	// make_month keeps the month without one.
-	if _, err := db.ExecContext(ctx, `DO $$ BEGIN
-		EXECUTE format('DROP TABLE idem.%I', idem.partition_name(idem.utc_month(now())));
-	END $$`); err != nil {
-		t.Fatal(err)
-	}
 	seedCompleted(t, db)
 	if _, err := db.ExecContext(ctx, `SELECT idem.claim('up', 'running', lease => '1 hour')`); err != nil {
 		t.Fatal(err)
 	}
-	const month = `idem.utc_month(now())`
-	var made string
-	if err := db.QueryRowContext(ctx, `SELECT idem.make_month(`+month+`)`).Scan(&made); err != nil || made[:5] != "kept:" {
-		t.Fatalf("version 25: make_month of the stranded month: %q %v", made, err)
+	lastMonth := func() string {
+		t.Helper()
+		var name string
+		if err := db.QueryRowContext(ctx, `SELECT 'idem.' || idem.create_partition((date_trunc('month', now() AT TIME ZONE 'UTC') - interval '1 month')::date)::text`).Scan(&name); err != nil {
+			t.Fatal(err)
+		}
+		return name
 	}
-
 	if _, err := p.UpTo(ctx, 26); err != nil {
 		t.Fatal(err)
 	}
 	seededAnswered(t, db, "after the upgrade to 26")
-	var months, rows int
-	if err := db.QueryRowContext(ctx, `SELECT count(*), sum(row_count) FROM idem.default_months()`).Scan(&months, &rows); err != nil || months != 1 || rows != 101 {
-		t.Fatalf("default_months: %d months, %d rows (%v), want 1, 101", months, rows, err)
+
+	// A rotation detached last month to drop it, and stopped there.
+	part := lastMonth()
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
 	}
-	if _, err := db.ExecContext(ctx, `SELECT idem.move_default_month(`+month+`, 100)`); sqlstate.Of(err) != sqlstate.TooManyDefaultRows {
-		t.Fatalf("a move over max_rows: %v, want ID010", err)
+	var out string
+	if err := tx.QueryRowContext(ctx, `SELECT idem.retire_partition($1::regclass, true)`, part).Scan(&out); err != nil || out != "detached" {
+		t.Fatalf("retire: %q %v", out, err)
 	}
-	var moved int
-	if err := db.QueryRowContext(ctx, `SELECT idem.move_default_month(`+month+`, 101)`).Scan(&moved); err != nil || moved != 101 {
-		t.Fatalf("move_default_month: %d, %v", moved, err)
+	if _, err := tx.ExecContext(ctx, `SELECT idem.mark_for_drop($1::regclass)`, part); err != nil {
+		t.Fatal(err)
 	}
-	var inDefault int
-	if err := db.QueryRowContext(ctx, `SELECT count(*) FROM idem.processed_events_default`).Scan(&inDefault); err != nil || inDefault != 0 {
-		t.Fatalf("%d rows left in the default partition (%v)", inDefault, err)
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
 	}
-	var part string
-	if err := db.QueryRowContext(ctx, `SELECT tableoid::regclass::text FROM idem.processed_events WHERE source = 'up' AND key = 'done-7'`).Scan(&part); err != nil || part == "idem.processed_events_default" {
-		t.Fatalf("done-7 is in %q (%v)", part, err)
+	var pending bool
+	if err := db.QueryRowContext(ctx, `SELECT drop_pending FROM idem.detached_months() WHERE part = $1::regclass`, part).Scan(&pending); err != nil || !pending {
+		t.Fatalf("detached_months: %s pending %v (%v)", part, pending, err)
 	}
-	seededAnswered(t, db, "after the move")
+	if _, err := db.ExecContext(ctx, `CALL idem.rotate()`); err != nil {
+		t.Fatal(err)
+	}
+	var left bool
+	if err := db.QueryRowContext(ctx, `SELECT to_regclass($1) IS NOT NULL`, part).Scan(&left); err != nil || left {
+		t.Fatalf("CALL idem.rotate() left %s (%v)", part, err)
+	}
+
+	// Kept on purpose: detached, not pending, and a later rotation keeps it.
+	kept := lastMonth()
+	if _, err := db.ExecContext(ctx, `CALL idem.rotate(keep_detached => true)`); err != nil {
+		t.Fatal(err)
+	}
+	if err := db.QueryRowContext(ctx, `SELECT drop_pending FROM idem.detached_months() WHERE part = $1::regclass`, kept).Scan(&pending); err != nil || pending {
+		t.Fatalf("a month detached to be kept: pending %v (%v)", pending, err)
+	}
+	if _, err := db.ExecContext(ctx, `CALL idem.rotate()`); err != nil {
+		t.Fatal(err)
+	}
+	if err := db.QueryRowContext(ctx, `SELECT to_regclass($1) IS NOT NULL`, kept).Scan(&left); err != nil || !left {
+		t.Fatalf("the kept month was dropped (%v)", err)
+	}
+	seededAnswered(t, db, "after the rotations")
 
 	if _, err := p.DownTo(ctx, 25); err != nil {
 		t.Fatal(err)
-	}
-	var gone bool
-	if err := db.QueryRowContext(ctx, `SELECT to_regprocedure('idem.move_default_month(date, bigint)') IS NULL`).Scan(&gone); err != nil || !gone {
-		t.Fatalf("down to 25 left idem.move_default_month (%v)", err)
 	}
 	seededAnswered(t, db, "down at 25")
 	if _, err := p.UpTo(ctx, 26); err != nil {

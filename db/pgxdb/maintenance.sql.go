@@ -158,7 +158,7 @@ type DetachedMonthsRow struct {
 }
 
 // Every detached month of schema idem, and whether a drop is pending for
-// it (migration 27).
+// it (migration 26).
 func (q *Queries) DetachedMonths(ctx context.Context) ([]DetachedMonthsRow, error) {
 	rows, err := q.db.Query(ctx, detachedMonths)
 	if err != nil {
@@ -272,7 +272,7 @@ SELECT idem.mark_for_drop($1::text::regclass)
 `
 
 // Marks a month rotation detached to drop, in the detaching transaction
-// (migration 27).
+// (migration 26).
 func (q *Queries) MarkForDrop(ctx context.Context, name string) error {
 	_, err := q.db.Exec(ctx, markForDrop, name)
 	return err
@@ -327,7 +327,7 @@ type MoveDefaultMonthParams struct {
 }
 
 // Moves a month's rows out of the default partition into the month's new
-// partition (migration 26); ID010 when there are more than max_rows.
+// partition (migration 25); ID010 when there are more than max_rows.
 func (q *Queries) MoveDefaultMonth(ctx context.Context, arg MoveDefaultMonthParams) (int64, error) {
 	row := q.db.QueryRow(ctx, moveDefaultMonth, arg.Month, arg.MaxRows)
 	var moved int64

@@ -43,7 +43,7 @@ const (
 	// (idem.claim_batch, idem.complete_batch, idem.fail_batch; migration 18).
 	BatchTooLarge = "ID009"
 	// TooManyDefaultRows: a month has more rows in the default partition
-	// than idem.move_default_month was allowed to move (migration 26).
+	// than idem.move_default_month was allowed to move (migration 25).
 	TooManyDefaultRows = "ID010"
 )
 

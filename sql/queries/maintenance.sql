@@ -159,15 +159,15 @@ SELECT month::date AS month, row_count::bigint AS row_count FROM idem.default_mo
 
 -- name: MoveDefaultMonth :one
 -- Moves a month's rows out of the default partition into the month's new
--- partition (migration 26); ID010 when there are more than max_rows.
+-- partition (migration 25); ID010 when there are more than max_rows.
 SELECT idem.move_default_month(sqlc.arg(month)::date, sqlc.arg(max_rows)::bigint)::bigint AS moved;
 
 -- name: MarkForDrop :exec
 -- Marks a month rotation detached to drop, in the detaching transaction
--- (migration 27).
+-- (migration 26).
 SELECT idem.mark_for_drop(sqlc.arg(name)::text::regclass);
 
 -- name: DetachedMonths :many
 -- Every detached month of schema idem, and whether a drop is pending for
--- it (migration 27).
+-- it (migration 26).
 SELECT part::text AS name, drop_pending::boolean AS drop_pending FROM idem.detached_months();

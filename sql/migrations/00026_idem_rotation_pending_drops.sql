@@ -1,4 +1,4 @@
--- idem 27: a month that rotation detached to drop is dropped by the next
+-- idem 26: a month that rotation detached to drop is dropped by the next
 -- rotation when its DROP did not happen.
 --
 -- Rotation retires a month in two transactions, DETACH then DROP, so that

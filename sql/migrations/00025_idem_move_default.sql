@@ -1,4 +1,4 @@
--- idem 26: rows that landed in the default partition can be moved into
+-- idem 25: rows that landed in the default partition can be moved into
 -- their month, so that the month gets its partition again.
 --
 -- Claims land in the default partition when their month has no partition
