@@ -120,7 +120,7 @@ func (c *Client) do(ctx context.Context, source, key string, fn func(ctx context
 		retryable := !IsPermanent(runErr)
 		if ferr := c.record(ctx, source, key, func(ctx context.Context) error {
 			if retryable && IsMomentary(runErr) {
-				return c.failMomentary(ctx, source, key, cl.Token, runErr.Error())
+				return c.FailMomentary(ctx, source, key, cl.Token, runErr.Error())
 			}
 			return c.Fail(ctx, source, key, cl.Token, runErr.Error(), retryable)
 		}); ferr != nil && !errors.Is(runErr, ErrLeaseLost) {

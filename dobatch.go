@@ -137,7 +137,7 @@ func (c *Client) DoBatch(ctx context.Context, source string, items []BatchItem, 
 	for _, j := range momentary {
 		cl, i := acquired[j], at[j]
 		err := c.record(ctx, source, cl.Key, func(ctx context.Context) error {
-			return c.failMomentary(ctx, source, cl.Key, cl.Token, res[i].Err.Error())
+			return c.FailMomentary(ctx, source, cl.Key, cl.Token, res[i].Err.Error())
 		})
 		switch {
 		case err == nil:

@@ -507,12 +507,18 @@ func (c *Client) Fail(ctx context.Context, source, key string, token int64, msg 
 	return outcomeErr("fail", source, key, out)
 }
 
-// failMomentary records a failure about the moment, not the work
-// (Momentary): the key is released without counting the attempt.
-func (c *Client) failMomentary(ctx context.Context, source, key string, token int64, msg string) error {
+// FailMomentary records a failure about the moment, not the work (an
+// error marked Momentary: rate limited, a dependency briefly down): the
+// key is released for a retry and the attempt the claim counted is taken
+// back, so it does not count toward the source's max_attempts (migration
+// 20). Do and DoBatch call it for their work's Momentary errors; the inbox
+// for a handler's.
+func (c *Client) FailMomentary(ctx context.Context, source, key string, token int64, msg string) (err error) {
 	if err := c.check("fail", source, key); err != nil {
 		return err
 	}
+	ctx, start := c.traceStart(ctx, TraceStartData{Op: OpFail, Source: source, Key: key})
+	defer func() { c.traceEnd(ctx, start, TraceEndData{Op: OpFail, Source: source, Key: key, Err: err}) }()
 	out, err := c.d.failMomentary(ctx, source, key, token, StorableText(msg))
 	if err != nil {
 		return convert("fail", source, key, err)

@@ -75,7 +75,13 @@ func FromHTTP(h http.Handler) Handler {
 			status = http.StatusOK
 		}
 		if status/100 != 2 {
-			return nil, fmt.Errorf("inbox: the handler answered %d: %s", status, bytes.TrimSpace(rec.body.Bytes()))
+			err := fmt.Errorf("inbox: the handler answered %d: %s", status, bytes.TrimSpace(rec.body.Bytes()))
+			if idemhttp.Momentary(status) {
+				// As in synchronous mode: about the moment, not the event
+				// (429, 503, ...): never counted as an attempt.
+				return nil, idem.Momentary(err)
+			}
+			return nil, err
 		}
 		return map[string]int{"status": status}, nil
 	}

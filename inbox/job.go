@@ -85,6 +85,27 @@ type worker struct {
 	in *Inbox
 }
 
+// MomentaryWindow is how long after its acceptance an event's momentary
+// failures (idem.Momentary; FromHTTP's 401, 403, 408, 409, 425, 429 and
+// 503) are not counted as attempts: past it they count, toward a dead
+// letter.
+const MomentaryWindow = 24 * time.Hour
+
+// snooze is how long a job waits after a momentary failure: the retry
+// policy's delay for the attempt after the ones it made, one more for each
+// snooze before (River keeps their count in the job's metadata), so a
+// long outage is retried with the policy's growing backoff although no
+// attempt is counted.
+func (w *worker) snooze(job *river.Job[Job]) time.Duration {
+	var m struct {
+		Snoozes int `json:"snoozes"`
+	}
+	_ = json.Unmarshal(job.Metadata, &m)
+	row := *job.JobRow
+	row.Attempt += m.Snoozes
+	return max(time.Until(w.in.cfg.RetryPolicy.NextRetry(&row)), 0)
+}
+
 // NextRetry is Config.RetryPolicy's.
 func (w *worker) NextRetry(job *river.Job[Job]) time.Time {
 	return w.in.cfg.RetryPolicy.NextRetry(job.JobRow)
@@ -196,6 +217,26 @@ func (w *worker) work(ctx context.Context, job *river.Job[Job], outcome *string)
 		// attempt finishes the event.
 		log.LogAttrs(ctx, slog.LevelWarn, "inbox: another attempt of this job took the key; this attempt's work rolled back", slog.Any("error", herr))
 		return nil
+	}
+
+	if idem.IsMomentary(herr) && !idem.IsPermanent(herr) && time.Since(job.CreatedAt) < MomentaryWindow {
+		// About the moment (the handler answered 429 or 503, a dependency
+		// was briefly down): as on every path, not an attempt. The key is
+		// released without counting (idem.FailMomentary, still held for
+		// this job) and the job snoozed, which River does not count
+		// either, on the retry policy's schedule for one attempt more per
+		// snooze. Past MomentaryWindow such failures count, so that an
+		// event whose handler never stops answering 503 still ends as a
+		// dead letter an operator sees.
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), recordTimeout)
+		defer cancel()
+		err := in.idem.FailMomentary(rctx, a.Source, a.Key, cl.Token, storableError{herr}.Error())
+		if err == nil {
+			*outcome = ProcessRetried
+			log.LogAttrs(ctx, slog.LevelInfo, "inbox: momentary failure, not counted; snoozed", slog.Any("error", herr))
+			return river.JobSnooze(w.snooze(job))
+		}
+		log.LogAttrs(ctx, slog.LevelWarn, "inbox: could not release the key after a momentary failure; counted as an attempt", slog.Any("error", err))
 	}
 
 	// Failed. Record it on the key (detached, bounded): past the last
