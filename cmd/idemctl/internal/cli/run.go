@@ -341,14 +341,18 @@ func (m *metrics) job(ctx context.Context, log *slog.Logger, name string, body f
 	})
 }
 
-// handler serves /metrics and /healthz, and the dashboard (when not nil)
-// at every other path.
+// handler serves /metrics, /healthz (readiness: the database answers),
+// /livez (liveness: the process serves; a database outage is not a reason
+// to restart it) and the dashboard (when not nil) at every other path.
 func (m *metrics) handler(pool *pgxpool.Pool, log *slog.Logger, dash http.Handler) http.Handler {
 	mux := http.NewServeMux()
 	if dash != nil {
 		mux.Handle("/", dash)
 	}
 	mux.Handle("/metrics", promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{}))
+	mux.HandleFunc("/livez", func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprintln(w, "ok")
+	})
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) {
 		ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
 		defer cancel()

@@ -3,6 +3,7 @@ package cli
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -15,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/robfig/cron/v3"
 
@@ -339,4 +341,61 @@ func TestRunDashboardHosts(t *testing.T) {
 			t.Fatalf("exit %d after shutdown: %s", c, errw.String())
 		}
 	})
+}
+
+// TestLivezDuringOutage: while the database refuses connections, /healthz
+// answers 503 (readiness) and /livez 200 (liveness), so a liveness probe
+// does not restart the daemon in a loop for the outage; both answer 200
+// once the database is back.
+func TestLivezDuringOutage(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	url := testdb.New(t)
+	addr := freeAddr(t)
+	var out, errw testdb.Buffer
+	code := make(chan int, 1)
+	go func() {
+		code <- Main(ctx, []string{"run", "--database-url", url, "--listen", addr,
+			"--prune-schedule", "@monthly", "--rotate-schedule", "@monthly", "--stats-schedule", "@monthly"},
+			&out, &errw, func(string) string { return "" })
+	}()
+	status := func(path string) int {
+		resp, err := http.Get("http://" + addr + path)
+		if err != nil {
+			return 0
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	waitFor(t, func() bool { return status("/healthz") == 200 })
+	pool := testdb.Pool(t, url, 1)
+	var db string
+	if err := pool.QueryRow(ctx, `SELECT current_database()`).Scan(&db); err != nil {
+		t.Fatal(err)
+	}
+	pool.Close()
+	admin := testdb.Pool(t, testdb.URLFor(t, "postgres"), 1)
+	allow := func(on bool) {
+		t.Helper()
+		if _, err := admin.Exec(ctx, fmt.Sprintf(`ALTER DATABASE %s ALLOW_CONNECTIONS %t`, pgx.Identifier{db}.Sanitize(), on)); err != nil {
+			t.Fatal(err)
+		}
+		if !on {
+			if _, err := admin.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()`, db); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	allow(false)
+	waitFor(t, func() bool { return status("/healthz") == http.StatusServiceUnavailable })
+	if s := status("/livez"); s != 200 {
+		t.Fatalf("/livez during the outage: %d, want 200", s)
+	}
+	allow(true)
+	waitFor(t, func() bool { return status("/healthz") == 200 && status("/livez") == 200 })
+	cancel()
+	if c := <-code; c != 0 {
+		t.Fatalf("exit %d: %s", c, errw.String())
+	}
 }
