@@ -148,6 +148,19 @@ func (q *Queries) DefaultPartitionRows(ctx context.Context) (int64, error) {
 	return rows, err
 }
 
+const defaultPartitionRowsUpTo = `-- name: DefaultPartitionRowsUpTo :one
+SELECT count(*)::bigint AS rows FROM (SELECT 1 FROM idem.processed_events_default LIMIT $1::bigint + 1) d
+`
+
+// The default partition's rows, counted up to cap + 1: a scrape reads at
+// most that many, however many there are.
+func (q *Queries) DefaultPartitionRowsUpTo(ctx context.Context, cap int64) (int64, error) {
+	row := q.db.QueryRow(ctx, defaultPartitionRowsUpTo, cap)
+	var rows int64
+	err := row.Scan(&rows)
+	return rows, err
+}
+
 const detachedMonths = `-- name: DetachedMonths :many
 SELECT part::text AS name, drop_pending::boolean AS drop_pending FROM idem.detached_months()
 `

@@ -73,6 +73,11 @@ SELECT idem.drop_detached(sqlc.arg(name)::text::regclass)::text AS result;
 -- name: DefaultPartitionRows :one
 SELECT count(*)::bigint AS rows FROM idem.processed_events_default;
 
+-- name: DefaultPartitionRowsUpTo :one
+-- The default partition's rows, counted up to cap + 1: a scrape reads at
+-- most that many, however many there are.
+SELECT count(*)::bigint AS rows FROM (SELECT 1 FROM idem.processed_events_default LIMIT sqlc.arg(cap)::bigint + 1) d;
+
 -- name: MonthInDefault :one
 -- Whether rows of the month are in the default partition (it gets no
 -- partition while they are).

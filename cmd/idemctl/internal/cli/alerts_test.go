@@ -421,3 +421,25 @@ func dbURL(t *testing.T, pool *pgxpool.Pool) string {
 	t.Helper()
 	return pool.Config().ConnString()
 }
+
+// TestScrapeCountsDefaultRowsUpToABound: the scrape counts the default
+// partition's rows up to defaultRowsCap + 1, and the database reads as up
+// whatever the count.
+func TestScrapeCountsDefaultRowsUpToABound(t *testing.T) {
+	ctx := context.Background()
+	pool := testdb.Pool(t, testdb.New(t), 2)
+	defer func(c int64) { defaultRowsCap = c }(defaultRowsCap)
+	defaultRowsCap = 10
+	seedRows(t, pool, "far-", monthStart(time.Now(), 9), 25, false, false)
+	m := newMetrics(pool)
+	if v := value(t, m.reg, "idem_default_partition_rows", nil); v != 11 {
+		t.Fatalf("idem_default_partition_rows %v with 25 rows and a bound of 10, want 11", v)
+	}
+	if v := value(t, m.reg, "idem_database_up", nil); v != 1 {
+		t.Fatalf("idem_database_up %v", v)
+	}
+	var n int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem.processed_events_default`).Scan(&n); err != nil || n != 25 {
+		t.Fatal(n, err)
+	}
+}
