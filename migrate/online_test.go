@@ -3,11 +3,12 @@ package migrate_test
 import (
 	"context"
 	"database/sql"
-	"fmt"
+	"errors"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/idemkit/idem/internal/sqlstate"
 	"github.com/idemkit/idem/internal/testdb"
 	"github.com/idemkit/idem/migrate"
 )
@@ -27,13 +28,32 @@ func seedPartitions(t *testing.T, ctx context.Context, db *sql.DB, rows int) {
 			t.Fatal(err)
 		}
 	}
-	for _, add := range []int{-2, -1, 0, 1} {
-		m := testdb.MonthStart(now, add)
+	rows2, err := db.QueryContext(ctx, `SELECT relid::regclass::text FROM pg_partition_tree('idem.processed_events')
+	                                     WHERE isleaf AND relid <> 'idem.processed_events_default'::regclass`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var parts []string
+	for rows2.Next() {
+		var p string
+		if err := rows2.Scan(&p); err != nil {
+			t.Fatal(err)
+		}
+		parts = append(parts, p)
+	}
+	if err := rows2.Close(); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range parts {
+		m, err := time.Parse("idem.processed_events_p2006_01", p)
+		if err != nil {
+			t.Fatalf("partition %s: %v", p, err)
+		}
 		if _, err := db.ExecContext(ctx, `
 			INSERT INTO idem.processed_events (source, key, first_seen_month, status, token, result, first_seen, updated_at, expires_at)
-			SELECT 'seed', $1 || '-' || g, $2::date, 'completed', nextval('idem.token_seq'), '{}', $2::date + interval '1 hour', now(),
+			SELECT 'seed', to_char($1::date, 'YYYY-MM') || '-' || g, $1::date, 'completed', nextval('idem.token_seq'), '{}', $1::date + interval '1 hour', now(),
 			       now() + interval '1 day' + g * interval '1 second'
-			  FROM generate_series(1, $3) g`, fmt.Sprint(add), m, rows); err != nil {
+			  FROM generate_series(1, $2) g`, m, rows); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -162,4 +182,110 @@ func TestOnlineIndexParse(t *testing.T) {
 	if n := migrate.ChildIndexName(strings.Repeat("p", 60), "processed_events_expires_order_idx"); len(n) > 63 || n != migrate.ChildIndexName(strings.Repeat("p", 60), "processed_events_expires_order_idx") {
 		t.Errorf("a long child name %q", n)
 	}
+}
+
+// TestOnlineIndexResumes: an online build of migration 19's index that
+// was interrupted (one partition's index left invalid by a build that
+// timed out, another's built) is finished by the next migrate up: the
+// invalid one is dropped and built again, the built one kept, and step 19
+// attaches them all. An index of another definition under the name the
+// build uses is refused (ErrOnlineIndex), nothing of step 19 applied.
+func TestOnlineIndexResumes(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.NewEmpty(t)
+	db, err := sql.Open("pgx", url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	m, err := migrate.New(db, migrate.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := m.UpTo(ctx, 18); err != nil {
+		t.Fatal(err)
+	}
+	seedPartitions(t, ctx, db, 50)
+	now := time.Now().UTC()
+	part := func(add int) string { return "processed_events_p" + testdb.MonthStart(now, add).Format("2006_01") }
+	child := func(add int) string { return migrate.ChildIndexName(part(add), "processed_events_expires_order_idx") }
+
+	// Month -1: a build interrupted after its catalog entry was made (it
+	// timed out waiting for a transaction writing the partition).
+	app, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := app.ExecContext(ctx, `UPDATE idem.`+part(-1)+` SET duplicates = duplicates + 1 WHERE key = $1`, testdb.MonthStart(now, -1).Format("2006-01")+"-1"); err != nil {
+		t.Fatal(err)
+	}
+	conn, err := db.Conn(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.ExecContext(ctx, `SET lock_timeout = '200ms'`); err != nil {
+		t.Fatal(err)
+	}
+	_, err = conn.ExecContext(ctx, `CREATE INDEX CONCURRENTLY `+child(-1)+` ON idem.`+part(-1)+` USING btree (expires_at, source, key)`)
+	if sqlstate.Of(err) != sqlstate.LockNotAvailable {
+		t.Fatalf("the build to interrupt: %v, want a lock timeout", err)
+	}
+	_ = conn.Close()
+	if err := app.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	// Month -2: built before the interruption.
+	if _, err := db.ExecContext(ctx, `CREATE INDEX CONCURRENTLY `+child(-2)+` ON idem.`+part(-2)+` USING btree (expires_at, source, key)`); err != nil {
+		t.Fatal(err)
+	}
+	oid := func(name string) (o int64) {
+		t.Helper()
+		if err := db.QueryRowContext(ctx, `SELECT coalesce((SELECT oid::bigint FROM pg_class WHERE relname = $1 AND relnamespace = 'idem'::regnamespace), 0)`, name).Scan(&o); err != nil {
+			t.Fatal(err)
+		}
+		return o
+	}
+	var valid bool
+	if err := db.QueryRowContext(ctx, `SELECT indisvalid FROM pg_index WHERE indexrelid = $1::oid`, oid(child(-1))).Scan(&valid); err != nil || valid {
+		t.Fatalf("the interrupted build's index: valid %v (%v), want an invalid leftover", valid, err)
+	}
+	invalidOID, builtOID := oid(child(-1)), oid(child(-2))
+
+	// Month 0: somebody's index under the build's name.
+	if _, err := db.ExecContext(ctx, `CREATE INDEX `+child(0)+` ON idem.`+part(0)+` (key)`); err != nil {
+		t.Fatal(err)
+	}
+	_, err = m.Up(ctx)
+	if !errors.Is(err, migrate.ErrOnlineIndex) || !strings.Contains(err.Error(), child(0)) {
+		t.Fatalf("up with another index under the build's name: %v, want ErrOnlineIndex naming it", err)
+	}
+	if v, err := m.Provider().GetDBVersion(ctx); err != nil || v != 18 {
+		t.Fatalf("after the refusal: version %d (%v), want 18", v, err)
+	}
+	if _, err := db.ExecContext(ctx, `DROP INDEX idem.`+child(0)); err != nil {
+		t.Fatal(err)
+	}
+
+	if _, err := m.Up(ctx); err != nil {
+		t.Fatalf("up after the interrupted build: %v", err)
+	}
+	if o := oid(child(-1)); o == 0 || o == invalidOID {
+		t.Errorf("the invalid leftover was not built again (oid %d, was %d)", o, invalidOID)
+	}
+	if o := oid(child(-2)); o != builtOID {
+		t.Errorf("the index built before was not kept (oid %d, was %d)", o, builtOID)
+	}
+	if err := db.QueryRowContext(ctx, `SELECT indisvalid FROM pg_index WHERE indexrelid = 'idem.processed_events_expires_order_idx'::regclass`).Scan(&valid); err != nil || !valid {
+		t.Fatalf("migration 19's index: valid %v (%v)", valid, err)
+	}
+	var attached int
+	if err := db.QueryRowContext(ctx, `SELECT count(*) FROM pg_inherits WHERE inhparent = 'idem.processed_events_expires_order_idx'::regclass`).Scan(&attached); err != nil {
+		t.Fatal(err)
+	}
+	var partitions int
+	if err := db.QueryRowContext(ctx, `SELECT count(*) FROM pg_inherits WHERE inhparent = 'idem.processed_events'::regclass`).Scan(&partitions); err != nil || attached != partitions {
+		t.Fatalf("%d partitions' indexes attached to migration 19's index, of %d partitions (%v)", attached, partitions, err)
+	}
+	checkIndexesAttached(t, ctx, db)
 }
