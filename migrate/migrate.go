@@ -65,8 +65,10 @@ func Latest() int64 {
 // when goose creates its version table. Its Up and Down do not retry: a
 // step that timed out on a lock fails, and so does a step that a racing
 // migrator applied first (SQLSTATE sqlstate.MigrationStepDone; run it
-// again). New returns a Migrator, which retries the one and goes on after
-// the other; Up and DownTo use it.
+// again). Nor do they build an index on idem.processed_events online
+// before the step that creates it (online.go): the step's CREATE INDEX
+// builds it, holding every claim for the build. New returns a Migrator,
+// which does both and builds online; Up and DownTo use it.
 func NewProvider(db *sql.DB, opts ...goose.ProviderOption) (*goose.Provider, error) {
 	cfg, err := Config{}.withDefaults()
 	if err != nil {
