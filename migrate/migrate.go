@@ -37,8 +37,12 @@ const (
 	// 0x6964656D = 1768187245, plus a small offset:
 	// +0 a key's lock in idem.claim (two-key form, with the key's hash),
 	// +1 this migration lock, +2 the gate of the maintenance locks (two-key
-	// form, with the lock name's hash).
+	// form, with the lock name's hash), +3 River's migrations
+	// (inbox.MigrateLockID), +4 OnlineLockID.
 	LockID int64 = 1768187246
+	// OnlineLockID serializes the online index builds of migrators
+	// (online.go).
+	OnlineLockID = LockID + 3
 )
 
 // FS returns the embedded migrations.

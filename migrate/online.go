@@ -11,8 +11,6 @@ import (
 	"regexp"
 	"strings"
 	"time"
-
-	"github.com/idemkit/idem/internal/sqlstate"
 )
 
 // Online index builds.
@@ -109,26 +107,45 @@ var ErrOnlineIndex = errors.New("idem/migrate: an index in the way of an online 
 // running in a backend whose client went away.
 //
 // Two migrators do not build at once: a transaction on a connection of
-// its own holds the migration lock (LockStatement) for the whole build, so
-// it holds through a transaction pooler, and another migrator's steps wait
-// for it as for a step. That transaction runs only the lock's statement
-// (a DO block, in the simple protocol, so no portal is left open) in READ
-// COMMITTED, and so holds no snapshot after it: CREATE INDEX
-// CONCURRENTLY, which waits for every transaction holding an older
-// snapshot, does not wait for it (a query left open in it would deadlock
-// the build). No lock_timeout is set: the builds' waits (for transactions writing
-// the partition, then for older snapshots) block no claim.
+// its own holds the advisory lock OnlineLockID for the whole build (so it
+// holds through a transaction pooler). It is not the migration lock, and
+// it is waited for by polling from the client, not in a statement: CREATE
+// INDEX CONCURRENTLY waits for every transaction in the database holding a
+// snapshot older than its own, and a step waiting for the migration lock
+// (LockStatement polls inside one statement, holding its snapshot) or a
+// statement left open in the guard would be waited for while it waits for
+// the build: a deadlock until LockWait. The guard runs its statements in
+// the simple protocol (no portal is left open) in READ COMMITTED, so it
+// holds no snapshot between them. No lock_timeout is set: the builds' waits
+// (for transactions writing the partition, then for older snapshots) block
+// no claim; a transaction left open stops the build there, as it would any
+// CREATE INDEX CONCURRENTLY, until it ends or ctx is cancelled (the build
+// then resumes at the next migrate up).
 func (m *Migrator) buildOnline(ctx context.Context, key onlineKey, indexes []onlineIndex) error {
 	guard, err := m.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
 		return err
 	}
-	defer guard.Rollback() //nolint:errcheck // a read-only guard: nothing to keep
-	if _, err := guard.ExecContext(ctx, LockStatement(LockID)); err != nil {
-		if sqlstate.Of(err) == sqlstate.MigrationLocked {
-			return fmt.Errorf("%w: %w", ErrLocked, err)
+	defer guard.Rollback() //nolint:errcheck // a guard: nothing to keep
+	for deadline := time.Now().Add(LockWait); ; {
+		// Exec without arguments: the simple protocol. The command tag
+		// (SELECT 1 or SELECT 0) says whether the lock was taken.
+		res, err := guard.ExecContext(ctx, fmt.Sprintf(`SELECT 1 WHERE pg_catalog.pg_try_advisory_xact_lock(%d::bigint)`, OnlineLockID))
+		if err != nil {
+			return err
 		}
-		return err
+		if n, err := res.RowsAffected(); err != nil || n == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%w: the online index build lock (advisory lock %d) was held for %v: another migrator building, or a session of any role holding pg_advisory_lock(%d)",
+				ErrLocked, OnlineLockID, LockWait, OnlineLockID)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(200 * time.Millisecond):
+		}
 	}
 	// The builds run on a connection of their own, outside any
 	// transaction. A pool of one connection would wait for ever for it.
@@ -178,13 +195,15 @@ func (m *Migrator) buildOnline(ctx context.Context, key onlineKey, indexes []onl
 	}
 	for _, ix := range indexes {
 		for _, part := range partitions {
+			m.cfg.Logger.InfoContext(ctx, "idem/migrate: building an index concurrently before the step that attaches it (it waits for transactions older than it, blocking no claim)",
+				slog.Int64("migration", key.version), slog.String("index", childIndexName(part, ix.name)), slog.String("partition", "idem."+part))
 			start := time.Now()
 			built, err := buildPartitionIndex(ctx, conn, part, ix)
 			if err != nil {
 				return fmt.Errorf("idem/migrate: migration %d: index %s on idem.%s: %w", key.version, childIndexName(part, ix.name), part, err)
 			}
 			if built {
-				m.cfg.Logger.InfoContext(ctx, "idem/migrate: built an index concurrently before the step that attaches it",
+				m.cfg.Logger.InfoContext(ctx, "idem/migrate: built",
 					slog.Int64("migration", key.version), slog.String("index", childIndexName(part, ix.name)),
 					slog.Duration("took", time.Since(start).Round(time.Millisecond)))
 			}
