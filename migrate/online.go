@@ -122,7 +122,39 @@ var ErrOnlineIndex = errors.New("idem/migrate: an index in the way of an online 
 // CREATE INDEX CONCURRENTLY, until it ends or ctx is cancelled (the build
 // then resumes at the next migrate up).
 func (m *Migrator) buildOnline(ctx context.Context, key onlineKey, indexes []onlineIndex) error {
-	guard, err := m.db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	// The builds run on a connection outside any transaction, the guard on
+	// another: a pool of one connection would wait for ever for the second.
+	conns := [2]*sql.Conn{}
+	for i := range conns {
+		acquire, cancel := context.WithTimeout(ctx, time.Minute)
+		c, err := m.db.Conn(acquire)
+		cancel()
+		if err != nil {
+			return fmt.Errorf("idem/migrate: the online index build of migration %d needs two connections (one holds its lock): %w", key.version, err)
+		}
+		defer c.Close()
+		conns[i] = c
+	}
+	conn := conns[0]
+	// Done already (the schema is up to date, or another migrator did the
+	// step): nothing to build and no lock to take, so a session holding the
+	// lock's id stops no migrate up that has nothing to build.
+	done := func() (bool, error) {
+		var table bool
+		if err := conn.QueryRowContext(ctx, `SELECT pg_catalog.to_regclass('idem.processed_events') IS NOT NULL
+		                                        AND pg_catalog.to_regclass('`+TableName+`') IS NOT NULL`).Scan(&table); err != nil || !table {
+			return true, err // no table yet: the step makes it
+		}
+		var applied bool
+		if err := conn.QueryRowContext(ctx, `SELECT EXISTS (SELECT FROM `+TableName+` WHERE version_id = $1 AND is_applied)`, key.version).Scan(&applied); err != nil {
+			return true, err
+		}
+		return applied == key.up, nil
+	}
+	if d, err := done(); d || err != nil {
+		return err
+	}
+	guard, err := conns[1].BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
 		return err
 	}
@@ -138,7 +170,8 @@ func (m *Migrator) buildOnline(ctx context.Context, key onlineKey, indexes []onl
 			break
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("%w: the online index build lock (advisory lock %d) was held for %v: another migrator building, or a session of any role holding pg_advisory_lock(%d)",
+			return fmt.Errorf("%w: the online index build lock (advisory lock %d) was held for %v: another migrator building, or a session of any role holding pg_advisory_lock(%d); "+
+				"SELECT pid, usename, state FROM pg_catalog.pg_locks l JOIN pg_catalog.pg_stat_activity a USING (pid) WHERE l.locktype = 'advisory' names its holder: end that session, then migrate again",
 				ErrLocked, OnlineLockID, LockWait, OnlineLockID)
 		}
 		select {
@@ -147,26 +180,8 @@ func (m *Migrator) buildOnline(ctx context.Context, key onlineKey, indexes []onl
 		case <-time.After(200 * time.Millisecond):
 		}
 	}
-	// The builds run on a connection of their own, outside any
-	// transaction. A pool of one connection would wait for ever for it.
-	acquire, cancel := context.WithTimeout(ctx, time.Minute)
-	conn, err := m.db.Conn(acquire)
-	cancel()
-	if err != nil {
-		return fmt.Errorf("idem/migrate: the online index build of migration %d needs a second connection (the first holds the migration lock): %w", key.version, err)
-	}
-	defer conn.Close()
-	var table bool
-	if err := conn.QueryRowContext(ctx, `SELECT pg_catalog.to_regclass('idem.processed_events') IS NOT NULL
-	                                        AND pg_catalog.to_regclass('`+TableName+`') IS NOT NULL`).Scan(&table); err != nil || !table {
-		return err // no table yet: the step makes it
-	}
-	var applied bool
-	if err := conn.QueryRowContext(ctx, `SELECT EXISTS (SELECT FROM `+TableName+` WHERE version_id = $1 AND is_applied)`, key.version).Scan(&applied); err != nil {
-		return err
-	}
-	if applied == key.up {
-		return nil // another migrator did the step
+	if d, err := done(); d || err != nil {
+		return err // another migrator did the step meanwhile
 	}
 	rows, err := conn.QueryContext(ctx, `
 		SELECT c.relname, c.relkind::text
