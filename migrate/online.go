@@ -123,19 +123,25 @@ var ErrOnlineIndex = errors.New("idem/migrate: an index in the way of an online 
 // then resumes at the next migrate up).
 func (m *Migrator) buildOnline(ctx context.Context, key onlineKey, indexes []onlineIndex) error {
 	// The builds run on a connection outside any transaction, the guard on
-	// another: a pool of one connection would wait for ever for the second.
-	conns := [2]*sql.Conn{}
-	for i := range conns {
-		acquire, cancel := context.WithTimeout(ctx, time.Minute)
-		c, err := m.db.Conn(acquire)
-		cancel()
-		if err != nil {
-			return fmt.Errorf("idem/migrate: the online index build of migration %d needs two connections (one holds its lock): %w", key.version, err)
+	// another, taken only when there is something to build: a pool of one
+	// connection (MaxOpenConns 1) would wait for ever for the second.
+	acquire := func(second bool) (*sql.Conn, error) {
+		if second && m.db.Stats().MaxOpenConnections == 1 {
+			return nil, fmt.Errorf("idem/migrate: the online index build of migration %d needs two connections (one holds its lock): the pool allows one", key.version)
 		}
-		defer c.Close()
-		conns[i] = c
+		actx, cancel := context.WithTimeout(ctx, time.Minute)
+		defer cancel()
+		c, err := m.db.Conn(actx)
+		if err != nil {
+			return nil, fmt.Errorf("idem/migrate: the online index build of migration %d needs two connections (one holds its lock): %w", key.version, err)
+		}
+		return c, nil
 	}
-	conn := conns[0]
+	conn, err := acquire(false)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
 	// Done already (the schema is up to date, or another migrator did the
 	// step): nothing to build and no lock to take, so a session holding the
 	// lock's id stops no migrate up that has nothing to build.
@@ -154,7 +160,12 @@ func (m *Migrator) buildOnline(ctx context.Context, key onlineKey, indexes []onl
 	if d, err := done(); d || err != nil {
 		return err
 	}
-	guard, err := conns[1].BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+	guardConn, err := acquire(true)
+	if err != nil {
+		return err
+	}
+	defer guardConn.Close()
+	guard, err := guardConn.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
 	if err != nil {
 		return err
 	}

@@ -289,3 +289,40 @@ func TestOnlineIndexResumes(t *testing.T) {
 	}
 	checkIndexesAttached(t, ctx, db)
 }
+
+// TestOnlineBuildNeedsTwoConnections: with a pool of one connection, an
+// up with an index to build fails at once saying it needs two, nothing of
+// step 19 applied; an up with nothing to build (the schema up to date)
+// still works with one.
+func TestOnlineBuildNeedsTwoConnections(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, err := sql.Open("pgx", testdb.NewEmpty(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	db.SetMaxOpenConns(1)
+	m, err := migrate.New(db, migrate.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := m.UpTo(ctx, 18); err != nil {
+		t.Fatalf("up to 18 with one connection: %v", err)
+	}
+	_, err = m.Up(ctx)
+	if err == nil || !strings.Contains(err.Error(), "needs two connections") {
+		t.Fatalf("up past 18 with one connection: %v, want a refusal saying it needs two", err)
+	}
+	if v, err := m.Provider().GetDBVersion(ctx); err != nil || v != 18 {
+		t.Fatalf("after the refusal: version %d (%v), want 18", v, err)
+	}
+	db.SetMaxOpenConns(2)
+	if _, err := m.Up(ctx); err != nil {
+		t.Fatal(err)
+	}
+	db.SetMaxOpenConns(1)
+	if _, err := m.Up(ctx); err != nil {
+		t.Fatalf("an up to date schema with one connection: %v", err)
+	}
+}
