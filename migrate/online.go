@@ -122,6 +122,34 @@ var ErrOnlineIndex = errors.New("idem/migrate: an index in the way of an online 
 // CREATE INDEX CONCURRENTLY, until it ends or ctx is cancelled (the build
 // then resumes at the next migrate up).
 func (m *Migrator) buildOnline(ctx context.Context, key onlineKey, indexes []onlineIndex) error {
+	// Done already (the schema is up to date, or another migrator did the
+	// step): nothing to build and no lock to take, so a session holding the
+	// lock's id stops no migrate up that has nothing to build.
+	done := func(q queryRower) (bool, error) {
+		var table bool
+		if err := q.QueryRowContext(ctx, `SELECT pg_catalog.to_regclass('idem.processed_events') IS NOT NULL
+		                                        AND pg_catalog.to_regclass('`+TableName+`') IS NOT NULL`).Scan(&table); err != nil || !table {
+			return true, err // no table yet: the step makes it
+		}
+		var applied bool
+		if err := q.QueryRowContext(ctx, `SELECT EXISTS (SELECT FROM `+TableName+` WHERE version_id = $1 AND is_applied)`, key.version).Scan(&applied); err != nil {
+			return true, err
+		}
+		return applied == key.up, nil
+	}
+	if d, err := done(m.db); d || err != nil {
+		return err
+	}
+	// A distributed installation (Citus) keeps the step's own build, as
+	// before: building a distributed partition's index concurrently and
+	// attaching it on every shard is not tested here (docs/citus.md).
+	if d, err := Distributed(ctx, m.db); d || err != nil {
+		if d {
+			m.cfg.Logger.WarnContext(ctx, "idem/migrate: a distributed installation: the step builds its index itself, holding claims for the build",
+				slog.Int64("migration", key.version))
+		}
+		return err
+	}
 	// The builds run on a connection outside any transaction, the guard on
 	// another, taken only when there is something to build: a pool of one
 	// connection (MaxOpenConns 1) would wait for ever for the second.
@@ -142,24 +170,6 @@ func (m *Migrator) buildOnline(ctx context.Context, key onlineKey, indexes []onl
 		return err
 	}
 	defer conn.Close()
-	// Done already (the schema is up to date, or another migrator did the
-	// step): nothing to build and no lock to take, so a session holding the
-	// lock's id stops no migrate up that has nothing to build.
-	done := func() (bool, error) {
-		var table bool
-		if err := conn.QueryRowContext(ctx, `SELECT pg_catalog.to_regclass('idem.processed_events') IS NOT NULL
-		                                        AND pg_catalog.to_regclass('`+TableName+`') IS NOT NULL`).Scan(&table); err != nil || !table {
-			return true, err // no table yet: the step makes it
-		}
-		var applied bool
-		if err := conn.QueryRowContext(ctx, `SELECT EXISTS (SELECT FROM `+TableName+` WHERE version_id = $1 AND is_applied)`, key.version).Scan(&applied); err != nil {
-			return true, err
-		}
-		return applied == key.up, nil
-	}
-	if d, err := done(); d || err != nil {
-		return err
-	}
 	guardConn, err := acquire(true)
 	if err != nil {
 		return err
@@ -191,7 +201,7 @@ func (m *Migrator) buildOnline(ctx context.Context, key onlineKey, indexes []onl
 		case <-time.After(200 * time.Millisecond):
 		}
 	}
-	if d, err := done(); d || err != nil {
+	if d, err := done(conn); d || err != nil {
 		return err // another migrator did the step meanwhile
 	}
 	rows, err := conn.QueryContext(ctx, `
