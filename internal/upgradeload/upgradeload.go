@@ -7,8 +7,10 @@ package upgradeload
 
 import (
 	"context"
+	"crypto/md5"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -23,7 +25,10 @@ const MigratorApp = "idem-upgrade-migrator"
 
 // Seed stores keys completed keys of source 'stored', spread over the
 // monthly partitions that exist (at any version of idem's schema: the
-// columns written are version 1's), in batches of 100,000.
+// columns written are version 1's), in batches of 100,000. A key reads as
+// a sender's event id ("evt_" and 32 hex digits, StoredKey) in no order,
+// with an expiry in the next 20 to 30 days: an index on them is built as
+// on real keys, not on presorted ones.
 func Seed(ctx context.Context, pool *pgxpool.Pool, keys int) error {
 	rows, err := pool.Query(ctx, `SELECT pg_catalog.substr(c.relname, 19)
 	                                FROM pg_catalog.pg_inherits i JOIN pg_catalog.pg_class c ON c.oid = i.inhrelid
@@ -57,8 +62,8 @@ func Seed(ctx context.Context, pool *pgxpool.Pool, keys int) error {
 		m := months[(from/batch)%len(months)]
 		if _, err := pool.Exec(ctx, `
 			INSERT INTO idem.processed_events (source, key, first_seen_month, status, token, result, first_seen, updated_at, expires_at)
-			SELECT 'stored', 'k' || g, $1::date, 'completed', nextval('idem.token_seq'), '{"ok": true}', $1::date + interval '1 hour', now(),
-			       now() + interval '20 days' + (g % 86400) * interval '1 second'
+			SELECT 'stored', 'evt_' || pg_catalog.md5(g::text), $1::date, 'completed', nextval('idem.token_seq'), '{"ok": true}', $1::date + interval '1 hour', now(),
+			       now() + interval '20 days' + pg_catalog.random() * interval '10 days'
 			  FROM generate_series($2::bigint, $3::bigint) g`, m, from+1, to); err != nil {
 			return fmt.Errorf("upgradeload: store keys %d to %d: %w", from+1, to, err)
 		}
@@ -66,6 +71,9 @@ func Seed(ctx context.Context, pool *pgxpool.Pool, keys int) error {
 	_, err = pool.Exec(ctx, `ANALYZE idem.processed_events`)
 	return err
 }
+
+// StoredKey is the key of the nth stored key (from 1).
+func StoredKey(n int) string { return fmt.Sprintf("evt_%x", md5.Sum([]byte(strconv.Itoa(n)))) }
 
 // Load is clients claiming (new keys and duplicates of stored ones) until
 // Stop, and a monitor sampling pg_locks.
@@ -108,7 +116,7 @@ func Start(ctx context.Context, pool *pgxpool.Pool, clients int) (*Load, error) 
 				key := fmt.Sprintf("new-%d-%d-%d", c, i, time.Now().UnixNano())
 				source := "load"
 				if i%2 == 1 {
-					source, key = "stored", fmt.Sprintf("k%d", 1+(c*7919+i*104729)%1000)
+					source, key = "stored", StoredKey(1+(c*7919+i*104729)%1000)
 				}
 				start := time.Now()
 				_, err := pool.Exec(ctx, `SELECT idem.claim($1, $2)`, source, key)
