@@ -18,7 +18,7 @@ import (
 // A plain CREATE INDEX on idem.processed_events takes a SHARE lock on the
 // table and every partition and holds it, with the rest of its step's
 // transaction, for the whole build: every claim's insert or update waits
-// for it (migration 19 at 2,000,000 keys: 23 to 29 s). CREATE INDEX
+// for it (migration 19 at 2,000,000 keys: 1.5 to 29 s, docs/performance.md). CREATE INDEX
 // CONCURRENTLY takes only SHARE UPDATE EXCLUSIVE, which claims do not
 // conflict with, but cannot run in a transaction (each of idem's steps is
 // one) nor on a partitioned table.
