@@ -56,7 +56,11 @@ func main() {
 	flag.IntVar(&o.rounds, "rounds", 0, "interleaved rounds per comparison (default 3, full 5)")
 	flag.DurationVar(&o.duration, "duration", 0, "length of one side of one round (default 2s, full 5s)")
 	flag.StringVar(&o.out, "out", "bench/results.md", "write the markdown table here too")
-	flag.StringVar(&o.only, "only", "", "run only the sections whose name contains this (claim, dup, complete, lib, maint, retention, scale, inbox, wait, cache, otel, adopt, plans, dashboard, e2e, batch; ceiling runs only when named)")
+	flag.StringVar(&o.only, "only", "", "run only the sections whose name contains this (claim, dup, complete, lib, maint, retention, scale, inbox, wait, cache, otel, adopt, plans, dashboard, e2e, batch; ceiling and upgrade run only when named)")
+	flag.Int64Var(&upgradeFrom, "upgrade-from", upgradeFrom, "the upgrade section's starting version")
+	flag.IntVar(&upgradeKeys, "upgrade-keys", 0, "the upgrade section's stored keys (default 200000, full 2000000)")
+	flag.IntVar(&upgradeClients, "upgrade-clients", upgradeClients, "the upgrade section's claiming clients")
+	flag.StringVar(&upgradeIdemctl, "idemctl", "", "the upgrade section: migrate with this idemctl binary (migrate up --river=false) instead of the same code in process")
 	flag.Func("batch-sizes", "the batch section's batch sizes, comma-separated (default 1,10,100,1000)", func(v string) error {
 		var sizes []int
 		for _, f := range strings.Split(v, ",") {
@@ -192,11 +196,12 @@ func run(ctx context.Context, o options) error {
 		{"dashboard", benchDashboard},
 		{"e2e", func(ctx context.Context, e *env, o options, _ *table) error { return benchE2E(ctx, e, o, e2e) }},
 		{"batch", func(ctx context.Context, e *env, o options, _ *table) error { return benchBatch(ctx, e, o, batch) }},
-		// Opt-in: -only ceiling.
+		// Opt-in: -only ceiling, -only upgrade.
 		{"ceiling", func(ctx context.Context, e *env, o options, _ *table) error { return benchCeiling(ctx, e, o, ceiling) }},
+		{"upgrade", benchUpgrade},
 	}
 	for _, s := range sections {
-		if (o.only != "" && !strings.Contains(s.name, o.only)) || (o.only == "" && s.name == "ceiling") {
+		if (o.only != "" && !strings.Contains(s.name, o.only)) || (o.only == "" && (s.name == "ceiling" || s.name == "upgrade")) {
 			continue
 		}
 		fmt.Fprintf(os.Stderr, "bench: %s...\n", s.name)

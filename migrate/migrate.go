@@ -37,8 +37,12 @@ const (
 	// 0x6964656D = 1768187245, plus a small offset:
 	// +0 a key's lock in idem.claim (two-key form, with the key's hash),
 	// +1 this migration lock, +2 the gate of the maintenance locks (two-key
-	// form, with the lock name's hash).
+	// form, with the lock name's hash), +3 River's migrations
+	// (inbox.MigrateLockID), +4 OnlineLockID.
 	LockID int64 = 1768187246
+	// OnlineLockID serializes the online index builds of migrators
+	// (online.go).
+	OnlineLockID = LockID + 3
 )
 
 // FS returns the embedded migrations.
@@ -65,37 +69,42 @@ func Latest() int64 {
 // when goose creates its version table. Its Up and Down do not retry: a
 // step that timed out on a lock fails, and so does a step that a racing
 // migrator applied first (SQLSTATE sqlstate.MigrationStepDone; run it
-// again). New returns a Migrator, which retries the one and goes on after
-// the other; Up and DownTo use it.
+// again). Nor do they build an index on idem.processed_events online
+// before the step that creates it (online.go): the step's CREATE INDEX
+// builds it, holding every claim for the build. New returns a Migrator,
+// which does both and builds online; Up and DownTo use it.
 func NewProvider(db *sql.DB, opts ...goose.ProviderOption) (*goose.Provider, error) {
 	cfg, err := Config{}.withDefaults()
 	if err != nil {
 		return nil, err
 	}
-	return newProvider(db, cfg, opts...)
+	p, _, err := newProvider(db, cfg, opts...)
+	return p, err
 }
 
-func newProvider(db *sql.DB, cfg Config, opts ...goose.ProviderOption) (*goose.Provider, error) {
+// newProvider returns the Provider and the indexes on idem.processed_events
+// its steps create, which the Migrator builds online first (online.go).
+func newProvider(db *sql.DB, cfg Config, opts ...goose.ProviderOption) (*goose.Provider, map[onlineKey][]onlineIndex, error) {
 	if db == nil {
-		return nil, errors.New("idem/migrate: db must not be nil")
+		return nil, nil, errors.New("idem/migrate: db must not be nil")
 	}
 	base, err := database.NewStore(database.DialectPostgres, TableName)
 	if err != nil {
-		return nil, fmt.Errorf("idem/migrate: %w", err)
+		return nil, nil, fmt.Errorf("idem/migrate: %w", err)
 	}
-	fsys, err := guardedFS(cfg.LockTimeout)
+	fsys, online, err := guardedFS(cfg.LockTimeout, cfg.stepProbe != nil)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	all := append([]goose.ProviderOption{
-		goose.WithStore(schemaStore{base}),
+		goose.WithStore(schemaStore{Store: base, probe: cfg.stepProbe}),
 		goose.WithDisableGlobalRegistry(true),
 	}, opts...)
 	p, err := goose.NewProvider(goose.DialectCustom, db, fsys, all...)
 	if err != nil {
-		return nil, fmt.Errorf("idem/migrate: %w", err)
+		return nil, nil, fmt.Errorf("idem/migrate: %w", err)
 	}
-	return p, nil
+	return p, online, nil
 }
 
 // StoredKeys counts the keys a migration down to version 0 would drop
@@ -161,7 +170,10 @@ var ErrWouldDropKeys = errors.New("idem/migrate: migrating down to version 0 wou
 // PUBLIC execute new functions), so this is where a routine added by a
 // later migration, or re-created by a Down (version 3's Down granted
 // EXECUTE to PUBLIC), is kept off PUBLIC.
-type schemaStore struct{ database.Store }
+type schemaStore struct {
+	database.Store
+	probe stepProbe // tests only: nil
+}
 
 // revokePublic is run after each migration step.
 const revokePublic = "REVOKE ALL ON ALL ROUTINES IN SCHEMA " + Schema + " FROM PUBLIC"
@@ -191,6 +203,11 @@ func (s schemaStore) CreateVersionTable(ctx context.Context, db database.DBTxCon
 }
 
 func (s schemaStore) Insert(ctx context.Context, db database.DBTxConn, req database.InsertRequest) error {
+	if s.probe != nil && req.Version > 0 { // version 0: the version table's own row
+		if err := s.probe(ctx, db, req.Version, true); err != nil {
+			return err
+		}
+	}
 	if err := s.Store.Insert(ctx, db, req); err != nil {
 		return err
 	}
@@ -199,6 +216,11 @@ func (s schemaStore) Insert(ctx context.Context, db database.DBTxConn, req datab
 }
 
 func (s schemaStore) Delete(ctx context.Context, db database.DBTxConn, version int64) error {
+	if s.probe != nil {
+		if err := s.probe(ctx, db, version, false); err != nil {
+			return err
+		}
+	}
 	if err := s.Store.Delete(ctx, db, version); err != nil {
 		return err
 	}

@@ -1,6 +1,7 @@
 package migrate
 
 import (
+	"cmp"
 	"context"
 	"database/sql"
 	"errors"
@@ -8,11 +9,13 @@ import (
 	"io/fs"
 	"log/slog"
 	"math"
+	"slices"
 	"strings"
 	"testing/fstest"
 	"time"
 
 	"github.com/pressly/goose/v3"
+	"github.com/pressly/goose/v3/database"
 
 	"github.com/idemkit/idem/internal/sqlstate"
 	"github.com/idemkit/idem/sql/migrations"
@@ -88,7 +91,14 @@ type Config struct {
 	Retries int
 	// Logger receives goose's log and one line per retry; nil: none.
 	Logger *slog.Logger
+
+	stepProbe stepProbe // tests only
 }
+
+// stepProbe is called at the end of each step, in its transaction, with
+// the step's version and direction (tests only: it sees what the step
+// holds; probeRows).
+type stepProbe func(ctx context.Context, tx database.DBTxConn, version int64, up bool) error
 
 // ErrLockTimeout: a step kept timing out waiting for a table lock held by
 // another transaction, Config.Retries times. Nothing of that step was
@@ -120,9 +130,10 @@ func (c Config) withDefaults() (Config, error) {
 // step that timed out on a lock and going on after a step another
 // migrator applied.
 type Migrator struct {
-	p   *goose.Provider
-	db  *sql.DB
-	cfg Config
+	p      *goose.Provider
+	db     *sql.DB
+	cfg    Config
+	online map[onlineKey][]onlineIndex // the indexes built before a step (online.go)
 }
 
 // New returns a Migrator over db (extra goose options are appended to
@@ -132,11 +143,11 @@ func New(db *sql.DB, cfg Config, opts ...goose.ProviderOption) (*Migrator, error
 	if err != nil {
 		return nil, err
 	}
-	p, err := newProvider(db, cfg, append([]goose.ProviderOption{goose.WithSlog(cfg.Logger)}, opts...)...)
+	p, online, err := newProvider(db, cfg, append([]goose.ProviderOption{goose.WithSlog(cfg.Logger)}, opts...)...)
 	if err != nil {
 		return nil, err
 	}
-	return &Migrator{p: p, db: db, cfg: cfg}, nil
+	return &Migrator{p: p, db: db, cfg: cfg, online: online}, nil
 }
 
 // Provider is the goose Provider the Migrator runs (for Status and
@@ -146,12 +157,48 @@ func (m *Migrator) Provider() *goose.Provider { return m.p }
 
 // UpTo applies every pending migration up to version (math.MaxInt64: all),
 // after CheckSchema: a schema idem owned or writable by another role is
-// refused.
+// refused. Before a step that creates an index on idem.processed_events it
+// builds that index on each partition concurrently (online.go).
 func (m *Migrator) UpTo(ctx context.Context, version int64) ([]*goose.MigrationResult, error) {
 	if err := CheckSchema(ctx, m.db); err != nil {
 		return nil, err
 	}
-	return m.run(ctx, func() ([]*goose.MigrationResult, error) { return m.p.UpTo(ctx, version) })
+	var all []*goose.MigrationResult
+	for _, k := range m.onlineSteps(true) {
+		if k.version > version {
+			break
+		}
+		if k.version > 1 {
+			res, err := m.run(ctx, func() ([]*goose.MigrationResult, error) { return m.p.UpTo(ctx, k.version-1) })
+			all = append(all, res...)
+			if err != nil && !errors.Is(err, goose.ErrNoNextVersion) {
+				return all, err
+			}
+		}
+		if err := m.buildOnline(ctx, k, m.online[k]); err != nil {
+			return all, err
+		}
+	}
+	res, err := m.run(ctx, func() ([]*goose.MigrationResult, error) { return m.p.UpTo(ctx, version) })
+	return append(all, res...), err
+}
+
+// onlineSteps lists the steps that create an index on idem.processed_events
+// in direction up (or down), in the order they are applied.
+func (m *Migrator) onlineSteps(up bool) []onlineKey {
+	var keys []onlineKey
+	for k := range m.online {
+		if k.up == up {
+			keys = append(keys, k)
+		}
+	}
+	slices.SortFunc(keys, func(a, b onlineKey) int {
+		if up {
+			return cmp.Compare(a.version, b.version)
+		}
+		return cmp.Compare(b.version, a.version)
+	})
+	return keys
 }
 
 // Up applies every pending migration.
@@ -165,7 +212,24 @@ func (m *Migrator) DownTo(ctx context.Context, version int64, force bool) ([]*go
 	if err := GuardDown(ctx, m.db, m.p, version, force); err != nil {
 		return nil, err
 	}
-	return m.run(ctx, func() ([]*goose.MigrationResult, error) { return m.p.DownTo(ctx, version) })
+	var all []*goose.MigrationResult
+	for _, k := range m.onlineSteps(false) {
+		if k.version <= version {
+			break
+		}
+		// Roll back the steps after k, build what k's Down creates, then
+		// go on.
+		res, err := m.run(ctx, func() ([]*goose.MigrationResult, error) { return m.p.DownTo(ctx, k.version) })
+		all = append(all, res...)
+		if err != nil && !errors.Is(err, goose.ErrNoNextVersion) {
+			return all, err
+		}
+		if err := m.buildOnline(ctx, k, m.online[k]); err != nil {
+			return all, err
+		}
+	}
+	res, err := m.run(ctx, func() ([]*goose.MigrationResult, error) { return m.p.DownTo(ctx, version) })
+	return append(all, res...), err
 }
 
 // run calls step until it succeeds, retrying after a lock timeout (up to
@@ -217,52 +281,93 @@ func (m *Migrator) run(ctx context.Context, step func() ([]*goose.MigrationResul
 }
 
 // guardedFS returns the embedded migrations with the statements described
-// at the top of this file added at the start of each Up and Down section.
-func guardedFS(lockTimeout time.Duration) (fs.FS, error) {
+// at the top of this file added at the start of each Up and Down section,
+// and the indexes on idem.processed_events each section creates, which the
+// Migrator builds online before the step (online.go). probe adds the
+// statement of stepProbe (tests only).
+func guardedFS(lockTimeout time.Duration, probe bool) (fs.FS, map[onlineKey][]onlineIndex, error) {
 	entries, err := fs.ReadDir(migrations.FS, ".")
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	out := fstest.MapFS{} // an in-memory fs.FS; nothing of testing is used
+	online := map[onlineKey][]onlineIndex{}
 	for _, e := range entries {
 		b, err := fs.ReadFile(migrations.FS, e.Name())
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		if !strings.HasSuffix(e.Name(), ".sql") {
 			continue
 		}
 		version, err := goose.NumericComponent(e.Name())
 		if err != nil {
-			return nil, fmt.Errorf("idem/migrate: %s: %w", e.Name(), err)
+			return nil, nil, fmt.Errorf("idem/migrate: %s: %w", e.Name(), err)
 		}
 		text := string(b)
 		if strings.Contains(text, "-- +goose NO TRANSACTION") {
-			return nil, fmt.Errorf("idem/migrate: %s runs outside a transaction (NO TRANSACTION): each of idem's steps must be one, "+
+			return nil, nil, fmt.Errorf("idem/migrate: %s runs outside a transaction (NO TRANSACTION): each of idem's steps must be one, "+
 				"since the migration lock and the lock timeout are the transaction's", e.Name())
 		}
 		for _, dir := range []string{"Up", "Down"} {
 			marker := "-- +goose " + dir + "\n"
 			if strings.Count(text, marker) != 1 {
-				return nil, fmt.Errorf("idem/migrate: %s has %d %q lines, want one", e.Name(), strings.Count(text, marker), strings.TrimSpace(marker))
+				return nil, nil, fmt.Errorf("idem/migrate: %s has %d %q lines, want one", e.Name(), strings.Count(text, marker), strings.TrimSpace(marker))
 			}
-			text = strings.Replace(text, marker, marker+prologue(version, dir == "Up", lockTimeout), 1)
+		}
+		_, rest, _ := strings.Cut(text, "-- +goose Up\n")
+		up, down, found := strings.Cut(rest, "-- +goose Down\n")
+		if !found {
+			return nil, nil, fmt.Errorf("idem/migrate: %s: its Down section comes before its Up section", e.Name())
+		}
+		for _, s := range []struct {
+			text string
+			up   bool
+		}{{up, true}, {down, false}} {
+			ix, err := onlineIndexes(e.Name(), s.text)
+			if err != nil {
+				return nil, nil, err
+			}
+			if len(ix) > 0 {
+				online[onlineKey{version, s.up}] = ix
+			}
+		}
+		for _, dir := range []string{"Up", "Down"} {
+			marker := "-- +goose " + dir + "\n"
+			text = strings.Replace(text, marker, marker+prologue(version, dir == "Up", lockTimeout, probe), 1)
 		}
 		out[e.Name()] = &fstest.MapFile{Data: []byte(text)}
 	}
-	return out, nil
+	return out, online, nil
 }
 
 // prologue is the statements each step starts with (one per line, as
 // goose splits them).
-func prologue(version int64, up bool, lockTimeout time.Duration) string {
+func prologue(version int64, up bool, lockTimeout time.Duration, probe bool) string {
 	cond, did := "", "applied"
 	if !up {
 		cond, did = "NOT ", "rolled back"
 	}
-	return fmt.Sprintf(`SELECT pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
+	s := fmt.Sprintf(`SELECT pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
 %s
 DO $idem$ BEGIN IF %sEXISTS (SELECT FROM %s WHERE version_id = %d AND is_applied) THEN RAISE EXCEPTION 'idem migration %d was %s by another migrator' USING ERRCODE = '%s'; END IF; END $idem$;
 SELECT pg_catalog.set_config('lock_timeout', '%dms', true);
 `, LockStatement(LockID), cond, TableName, version, version, did, stepDoneElsewhere, lockTimeout.Milliseconds())
+	if probe {
+		s += "SELECT pg_catalog.set_config('idem.probe_rows', (" + probeRows + "), true);\n"
+	}
+	return s
 }
+
+// probeRows counts the rows of idem.processed_events and its partitions
+// this backend has read (first) and written (second), as "read written",
+// and not yet reported to the cumulative statistics. Reporting happens only
+// outside a transaction, so the growth between a step's start (prologue)
+// and its end (stepProbe) is what the step read or wrote, by any means: a
+// heap scan (an index build, a constraint's validation, a rewrite), an
+// index fetch, an insert, update or delete. Tests only (Config.stepProbe).
+const probeRows = `SELECT coalesce(pg_catalog.sum(pg_catalog.pg_stat_get_xact_tuples_returned(r.relid) OPERATOR(pg_catalog.+) pg_catalog.pg_stat_get_xact_tuples_fetched(r.relid)), 0)::text
+	OPERATOR(pg_catalog.||) ' ' OPERATOR(pg_catalog.||)
+	coalesce(pg_catalog.sum(pg_catalog.pg_stat_get_xact_tuples_inserted(r.relid) OPERATOR(pg_catalog.+) pg_catalog.pg_stat_get_xact_tuples_updated(r.relid) OPERATOR(pg_catalog.+)
+	pg_catalog.pg_stat_get_xact_tuples_deleted(r.relid)), 0)::text
+	FROM pg_catalog.pg_partition_tree(pg_catalog.to_regclass('idem.processed_events')) r`

@@ -302,13 +302,13 @@ func TestSubMillisecondStatementTimeout(t *testing.T) {
 
 // TestNobodyStopsMigrate: a login with no rights in idem holds, in an
 // idle session, the advisory lock ids of idem's and River's migration
-// steps. migrate up on an installed, up-to-date schema takes no lock and
+// steps, and of idem's online index builds. migrate up on an installed, up-to-date schema takes no lock and
 // finishes (River's step waited for ever on every run before). With a
 // step pending it would wait migrate.LockWait, then fail with ErrLocked
 // naming how to find the holder.
 func TestNobodyStopsMigrate(t *testing.T) {
 	t.Parallel()
-	for _, id := range []int64{migrate.LockID, inbox.MigrateLockID} {
+	for _, id := range []int64{migrate.LockID, inbox.MigrateLockID, migrate.OnlineLockID} {
 		t.Run(fmt.Sprint(id), func(t *testing.T) {
 			t.Parallel()
 			url := testdb.New(t)
