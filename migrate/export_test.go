@@ -103,5 +103,7 @@ func EmbeddedOnlineIndexes(version int64, up bool) ([]OnlineIndex, error) {
 	return out, err
 }
 
-// ChildIndexName is childIndexName.
-var ChildIndexName = childIndexName
+// ChildIndexName is childIndexName of the index name with definition def.
+func ChildIndexName(partition, name, def string) string {
+	return childIndexName(partition, onlineIndex{name: name, def: def})
+}

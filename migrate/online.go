@@ -79,18 +79,32 @@ func onlineIndexes(file, section string) ([]onlineIndex, error) {
 }
 
 // childIndexName is the name of the index built on partition for the
-// index name on idem.processed_events: the partition's name and the
-// index's, or, past PostgreSQL's 63 bytes, a digest of both. The same
-// partition and index always give the same name, so an interrupted build
-// is found again.
-func childIndexName(partition, index string) string {
-	n := partition + "_" + strings.TrimPrefix(index, "processed_events_")
+// index ix on idem.processed_events: the name PostgreSQL would choose
+// (partition, columns, _idx), else the partition's name and the index's,
+// or, past PostgreSQL's 63 bytes, a digest of both. The same partition and
+// index always give the same name, so an interrupted build is found again.
+func childIndexName(partition string, ix onlineIndex) string {
+	// The name PostgreSQL gives the index when it creates it on a new
+	// partition (idem.make_month's CREATE TABLE ... INCLUDING INDEXES): the
+	// table and the columns, then _idx. So that a month built online and a
+	// month made later carry their index under names of one form.
+	if m := plainColumns.FindStringSubmatch(ix.def); m != nil {
+		n := partition + "_" + strings.Join(strings.Split(m[1], ", "), "_") + "_idx"
+		if len(n) <= 63 {
+			return n
+		}
+	}
+	n := partition + "_" + strings.TrimPrefix(ix.name, "processed_events_")
 	if len(n) <= 63 {
 		return n
 	}
-	sum := sha256.Sum256([]byte(partition + "." + index))
+	sum := sha256.Sum256([]byte(partition + "." + ix.name))
 	return "idem_online_" + hex.EncodeToString(sum[:12])
 }
+
+// plainColumns matches an index definition over plain columns, with no
+// expression, collation, operator class or ordering.
+var plainColumns = regexp.MustCompile(`^USING \w+ \(([a-z_][a-z0-9_]*(?:, [a-z_][a-z0-9_]*)*)\)`)
 
 func quoteIdent(s string) string { return `"` + strings.ReplaceAll(s, `"`, `""`) + `"` }
 
@@ -232,15 +246,15 @@ func (m *Migrator) buildOnline(ctx context.Context, key onlineKey, indexes []onl
 	for _, ix := range indexes {
 		for _, part := range partitions {
 			m.cfg.Logger.InfoContext(ctx, "idem/migrate: building an index concurrently before the step that attaches it (it waits for transactions older than it, blocking no claim)",
-				slog.Int64("migration", key.version), slog.String("index", childIndexName(part, ix.name)), slog.String("partition", "idem."+part))
+				slog.Int64("migration", key.version), slog.String("index", childIndexName(part, ix)), slog.String("partition", "idem."+part))
 			start := time.Now()
 			built, err := buildPartitionIndex(ctx, conn, part, ix)
 			if err != nil {
-				return fmt.Errorf("idem/migrate: migration %d: index %s on idem.%s: %w", key.version, childIndexName(part, ix.name), part, err)
+				return fmt.Errorf("idem/migrate: migration %d: index %s on idem.%s: %w", key.version, childIndexName(part, ix), part, err)
 			}
 			if built {
 				m.cfg.Logger.InfoContext(ctx, "idem/migrate: built",
-					slog.Int64("migration", key.version), slog.String("index", childIndexName(part, ix.name)),
+					slog.Int64("migration", key.version), slog.String("index", childIndexName(part, ix)),
 					slog.Duration("took", time.Since(start).Round(time.Millisecond)))
 			}
 		}
@@ -252,7 +266,7 @@ func (m *Migrator) buildOnline(ctx context.Context, key onlineKey, indexes []onl
 // concurrently (again, if an interrupted build left it invalid); built says
 // whether it built.
 func buildPartitionIndex(ctx context.Context, conn *sql.Conn, partition string, ix onlineIndex) (built bool, err error) {
-	name := childIndexName(partition, ix.name)
+	name := childIndexName(partition, ix)
 	unique := ""
 	if ix.unique {
 		unique = "UNIQUE "
