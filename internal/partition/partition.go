@@ -409,12 +409,14 @@ func (r *Result) add(ctx context.Context, log *slog.Logger, s Step) {
 // step.
 func (c settings) step(ctx context.Context, pool *pgxpool.Pool, fn func(q *pgxdb.Queries) (string, error)) (string, error) {
 	wait := c.backoff
+	var leaseEnd time.Time // the rotate lock's, as last renewed
 	for try := 0; ; try++ {
 		if err := ctx.Err(); err != nil {
 			return "", fmt.Errorf("rotation stopped before its next step: %w", err)
 		}
 		if c.lock != nil {
 			held, err := c.lock.Acquire(context.WithoutCancel(ctx))
+			leaseEnd = held.ExpiresAt
 			if err != nil {
 				return "", err
 			}
@@ -434,7 +436,13 @@ func (c settings) step(ctx context.Context, pool *pgxpool.Pool, fn func(q *pgxdb
 		}
 		c.log.LogAttrs(ctx, slog.LevelWarn, "rotate step timed out on a lock; retrying",
 			slog.Int("try", try+1), slog.Duration("backoff", wait))
-		t := time.NewTimer(time.Duration(float64(wait) * (0.5 + rand.Float64())))
+		pause := time.Duration(float64(wait) * (0.5 + rand.Float64()))
+		if !leaseEnd.IsZero() {
+			// Never sleep the lease away between two renewals: a doubled
+			// backoff grows past any lease.
+			pause = min(pause, time.Until(leaseEnd)/2)
+		}
+		t := time.NewTimer(pause)
 		select {
 		case <-ctx.Done():
 			t.Stop()
