@@ -430,8 +430,9 @@ func TestEffectPoolExhausted(t *testing.T) {
 			// The first delivery of every event holds its transaction's
 			// connection until all of them do: then every Effect finds
 			// the pool empty.
-			var inTx sync.WaitGroup
+			var inTx, tried sync.WaitGroup
 			inTx.Add(events)
+			tried.Add(events)
 			var wg sync.WaitGroup
 			for i := range events {
 				wg.Add(1)
@@ -441,6 +442,7 @@ func TestEffectPoolExhausted(t *testing.T) {
 					first := true
 					for attempt := 1; ; attempt++ {
 						err := deliver(ctx, key, func(ctx context.Context) (any, error) {
+							wasFirst := first
 							if first {
 								first = false
 								inTx.Done()
@@ -450,6 +452,14 @@ func TestEffectPoolExhausted(t *testing.T) {
 								sent.inc(key)
 								return nil, nil
 							})
+							if wasFirst {
+								// No first delivery gives its connection back
+								// before every one has tried its effect, so none
+								// finds one freed by another's failure, however
+								// late it was scheduled.
+								tried.Done()
+								tried.Wait()
+							}
 							return nil, err
 						})
 						if err == nil {
