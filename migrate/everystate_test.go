@@ -213,7 +213,7 @@ func buildEveryState(t *testing.T, ctx context.Context, url string, p *goose.Pro
 	for _, pl := range placements {
 		a := at.Add(-pl.age)
 		w := where(pl.src, pl.age)
-		name := func(state string) string { return fmt.Sprintf("%s-%s", state, pl.age) }
+		name := func(state string) string { return state + "-" + ageName(pl.age) }
 		k := everyKey{Source: pl.src, Where: w}
 
 		k.State, k.Key, k.Outcome, k.Finish = "in flight (live lease)", name("inflight"), "in_progress", true
@@ -286,19 +286,59 @@ func buildEveryState(t *testing.T, ctx context.Context, url string, p *goose.Pro
 		for _, age := range []time.Duration{src.ttl + 3*day, src.ttl + 100*day} {
 			a := at.Add(-age)
 			k := everyKey{Source: src.name, Where: where(src.name, age), Outcome: "acquired", Prunable: true}
-			k.State, k.Key = "expired (completed, ttl passed)", fmt.Sprintf("expired-completed-%s", age)
+			k.State, k.Key = "expired (completed, ttl passed)", "expired-completed-"+ageName(age)
 			k.Token = claim(a, src.name, k.Key, "")
 			exec(a.Add(time.Second), `SELECT idem.complete($1, $2, $3, '{"old": true}')`, src.name, k.Key, k.Token)
 			add(k)
-			k.State, k.Key = "expired (failed permanently, ttl passed)", fmt.Sprintf("expired-failed-%s", age)
+			k.State, k.Key = "expired (failed permanently, ttl passed)", "expired-failed-"+ageName(age)
 			k.Token = claim(a, src.name, k.Key, "")
 			exec(a.Add(time.Second), `SELECT idem.fail($1, $2, $3, 'declined', false)`, src.name, k.Key, k.Token)
 			add(k)
-			k.State, k.Key = "expired (processing, ttl passed)", fmt.Sprintf("expired-processing-%s", age)
+			k.State, k.Key = "expired (processing, ttl passed)", "expired-processing-"+ageName(age)
 			k.Token = claim(a, src.name, k.Key, "")
 			add(k)
 		}
 	}
+	// In flight long past its source's ttl: a worker that heartbeats
+	// (extend) for weeks keeps its row live, in a month the ttl alone
+	// would not look back to.
+	for _, h := range []struct {
+		src string
+		age time.Duration
+	}{{"d7", 40 * day}, {"d30", 50 * day}} {
+		a := at.Add(-h.age)
+		k := everyKey{State: "in flight past its source's ttl (heartbeats for weeks)", Source: h.src, Key: "heartbeats-" + ageName(h.age),
+			Where: where(h.src, h.age), Outcome: "in_progress", Finish: true}
+		k.Token = claim(a, h.src, k.Key, "")
+		for beat := a.Add(time.Minute); beat.Before(at.Add(-time.Hour)); beat = beat.Add(6 * day) {
+			exec(beat, `SELECT idem.extend($1, $2, $3, '7 days')`, h.src, k.Key, k.Token)
+		}
+		exec(at.Add(-time.Minute), `SELECT idem.extend($1, $2, $3, '2 hours')`, h.src, k.Key, k.Token)
+		add(k)
+	}
+
+	// A source whose ttl was cut (90 days to 7) and one whose ttl was
+	// raised (7 days to 90) with keys stored: a stored key keeps the
+	// expiry it was given.
+	exec(at, `INSERT INTO idem.policies (source, ttl, lease) VALUES ('ttl-cut', '90 days', '5 minutes'), ('ttl-raised', '7 days', '5 minutes')`)
+	for _, c := range []struct {
+		src, state, outcome string
+		age                 time.Duration
+	}{
+		{"ttl-cut", "completed, its source's ttl cut since (90 to 7 days)", "completed", 45 * day},
+		{"ttl-cut", "completed, its source's ttl cut since (90 to 7 days)", "completed", 3 * day},
+		{"ttl-raised", "expired, its source's ttl raised since (7 to 90 days)", "acquired", 10 * day},
+		{"ttl-raised", "completed, its source's ttl raised since (7 to 90 days)", "completed", 3 * day},
+	} {
+		a := at.Add(-c.age)
+		k := everyKey{State: c.state, Source: c.src, Key: c.src + "-" + ageName(c.age), Where: where(c.src, c.age), Outcome: c.outcome}
+		k.Token = claim(a, c.src, k.Key, "")
+		exec(a.Add(time.Second), `SELECT idem.complete($1, $2, $3, '{"ttl": "as stored"}')`, c.src, k.Key, k.Token)
+		add(k)
+	}
+	exec(at.Add(-time.Hour), `UPDATE idem.policies SET ttl = '7 days' WHERE source = 'ttl-cut'`)
+	exec(at.Add(-time.Hour), `UPDATE idem.policies SET ttl = '90 days' WHERE source = 'ttl-raised'`)
+
 	// A key never seen.
 	add(everyKey{State: "never seen", Source: "d30", Key: "never-seen", Where: "nowhere", Token: -1, Outcome: "acquired"})
 
@@ -390,7 +430,7 @@ func buildEveryState(t *testing.T, ctx context.Context, url string, p *goose.Pro
 		age time.Duration
 	}{{"d90", 10 * time.Minute}, {"d400", 150 * day}, {"d30", 20 * day}} {
 		a := at.Add(-w.age)
-		k := everyKey{State: "waited on (in flight, a waiter registered)", Source: w.src, Key: fmt.Sprintf("waited-%s", w.age),
+		k := everyKey{State: "waited on (in flight, a waiter registered)", Source: w.src, Key: "waited-" + ageName(w.age),
 			Where: where(w.src, w.age), Outcome: "in_progress", Finish: true, Waited: true}
 		k.Token = claim(a, w.src, k.Key, "")
 		exec(at.Add(-time.Minute), `SELECT idem.extend($1, $2, $3, '2 hours')`, w.src, k.Key, k.Token)
@@ -615,29 +655,45 @@ func (s *everyState) finish(t *testing.T, ctx context.Context) {
 // completion, waiting for the notifications at most 30 seconds.
 func (s *everyState) woken(t *testing.T, ctx context.Context) {
 	t.Helper()
+	if left := s.notWoken(ctx, 30*time.Second); len(left) > 0 {
+		t.Errorf("waiters registered before the upgrade not woken by the completion after it: %s", strings.Join(left, ", "))
+	}
+}
+
+// notWoken returns the keys of the fixture's waiters that no notification
+// on idem_done has woken within wait.
+func (s *everyState) notWoken(ctx context.Context, wait time.Duration) []string {
 	wake := map[string]string{} // payload -> key id
 	for _, k := range s.Keys {
 		if k.Waited {
 			wake[waitPayload(k.Source, k.Key)] = k.id()
 		}
 	}
+	wctx, cancel := context.WithTimeout(ctx, wait)
+	defer cancel()
 	for len(wake) > 0 {
-		wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 		n, err := s.listen.WaitForNotification(wctx)
-		cancel()
 		if err != nil {
-			var left []string
-			for _, id := range wake {
-				left = append(left, id)
-			}
-			sort.Strings(left)
-			t.Errorf("waiters registered before the upgrade not woken by the completion after it: %s (%v)", strings.Join(left, ", "), err)
 			break
 		}
 		if n.Channel == "idem_done" {
 			delete(wake, n.Payload)
 		}
 	}
+	var left []string
+	for _, id := range wake {
+		left = append(left, id)
+	}
+	sort.Strings(left)
+	return left
+}
+
+// ageName names an age in a key: "10m", "150d".
+func ageName(d time.Duration) string {
+	if d%day == 0 {
+		return fmt.Sprintf("%dd", d/day)
+	}
+	return fmt.Sprintf("%dm", d/time.Minute)
 }
 
 // waitPayload is idem.wait_channel_key(source, key), as version 8 defined

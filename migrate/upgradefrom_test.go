@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -257,4 +258,66 @@ func describe(err error) string {
 		return fmt.Sprintf("%s (SQLSTATE %s)", pe.Message, pe.Code)
 	}
 	return fmt.Sprint(err)
+}
+
+// TestEveryStateSeesDifferences: the every-state fixture's check is not
+// blind. At version 26, the fixture's database is changed as a wrong
+// migration could change it (a hold lost, the adoption ended, a row of the
+// default partition lost, an in-flight key's token renumbered, an expiry
+// recomputed from the source's ttl for a key heartbeating past it and for a
+// source whose ttl was cut, a stored result lost, the waiters forgotten):
+// each is reported, by key.
+func TestEveryStateSeesDifferences(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url, db, p := setupAt(t)
+	s := buildEveryState(t, ctx, url, p, 26)
+	for _, m := range []string{
+		`DELETE FROM idem.holds WHERE source = 'd30' AND key = 'held-queued'`,
+		`UPDATE idem.adoptions SET state = 'done'`,
+		`DELETE FROM idem.processed_events_default WHERE source = 'd400' AND key = 'completed-150d'`,
+		`UPDATE idem.processed_events SET token = token + 1000000 WHERE source = 'd90' AND key = 'inflight-45d'`,
+		`UPDATE idem.processed_events SET expires_at = first_seen + interval '7 days' WHERE source = 'd7' AND key = 'heartbeats-40d'`,
+		`UPDATE idem.processed_events SET expires_at = first_seen + interval '7 days' WHERE source = 'ttl-cut'`,
+		`UPDATE idem.processed_events SET result = NULL WHERE source = 'd400' AND key = 'completed-300d'`,
+		`TRUNCATE idem.waiters`,
+	} {
+		if res, err := db.ExecContext(ctx, m); err != nil {
+			t.Fatalf("%s: %v", m, err)
+		} else if n, _ := res.RowsAffected(); n == 0 && !strings.HasPrefix(m, "TRUNCATE") {
+			t.Fatalf("%s changed nothing", m)
+		}
+	}
+	diffs, _ := s.diff(s.answersNow(t, ctx))
+	for _, id := range []string{"d30/held-queued", "adopt/adopt-1-recent", "adopt/adopt-2-old-month", "d400/completed-150d",
+		"d90/inflight-45d", "d7/heartbeats-40d", "ttl-cut/ttl-cut-45d", "d400/completed-300d"} {
+		if !slices.ContainsFunc(diffs, func(d string) bool { return strings.HasPrefix(d, id+" ") }) {
+			t.Errorf("%s was changed, and not reported", id)
+		}
+	}
+	for _, d := range diffs {
+		if !slices.ContainsFunc([]string{"d30/held-queued ", "adopt/adopt-", "d400/completed-150d ", "d90/inflight-45d ",
+			"d7/heartbeats-40d ", "ttl-cut/", "d400/completed-300d "}, func(p string) bool { return strings.HasPrefix(d, p) }) {
+			t.Errorf("reported, and not changed: %s", d)
+		}
+	}
+	t.Logf("%d differences reported, e.g.\n%s", len(diffs), strings.Join(diffs[:min(len(diffs), 5)], "\n"))
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	installClock(t, ctx, conn)
+	var waited int
+	for _, k := range s.Keys {
+		if k.Waited {
+			waited++
+			if _, err := conn.Exec(ctx, `SELECT idem.complete($1, $2, $3)`, k.Source, k.Key, k.Token); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if left := s.notWoken(ctx, 2*time.Second); len(left) != waited {
+		t.Errorf("with the waiters forgotten, %d of %d waiters reported not woken: %v", len(left), waited, left)
+	}
 }
