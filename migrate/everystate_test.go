@@ -241,6 +241,11 @@ func buildEveryState(t *testing.T, ctx context.Context, url string, p *goose.Pro
 		exec(a.Add(time.Second), `SELECT idem.fail($1, $2, $3, 'timeout', true)`, pl.src, k.Key, k.Token)
 		add(k)
 
+		k.State, k.Key, k.Outcome = "failed momentarily (the attempt taken back)", name("momentary"), "acquired"
+		k.Token = claim(a, pl.src, k.Key, "")
+		exec(a.Add(time.Second), `SELECT idem.fail($1, $2, $3, 'rate limited', NULL)`, pl.src, k.Key, k.Token)
+		add(k)
+
 		k.State, k.Key, k.Outcome = "failed permanently", name("failed"), "failed"
 		k.Token = claim(a, pl.src, k.Key, "")
 		exec(a.Add(time.Second), `SELECT idem.fail($1, $2, $3, 'card declined', false)`, pl.src, k.Key, k.Token)

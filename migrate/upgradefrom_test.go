@@ -260,14 +260,14 @@ func describe(err error) string {
 	return fmt.Sprint(err)
 }
 
-// TestEveryStateSeesDifferences: the every-state fixture's check is not
+// TestUpgradeFromEveryStateCheckIsNotBlind: the every-state fixture's check is not
 // blind. At version 26, the fixture's database is changed as a wrong
 // migration could change it (a hold lost, the adoption ended, a row of the
 // default partition lost, an in-flight key's token renumbered, an expiry
 // recomputed from the source's ttl for a key heartbeating past it and for a
 // source whose ttl was cut, a stored result lost, the waiters forgotten):
 // each is reported, by key.
-func TestEveryStateSeesDifferences(t *testing.T) {
+func TestUpgradeFromEveryStateCheckIsNotBlind(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	url, db, p := setupAt(t)
