@@ -26,11 +26,12 @@ import (
 // SQL protocol (claim, complete, fail, extend, the inbox's queue_*, the
 // adoption's adopt_*, wait_begin), with the answer of every key recorded.
 // A test upgrades the database and checks that every key answers the same
-// (everyState.check). Nothing here reads idem's tables: what is compared is
-// what the protocol answers, so it holds whatever layout a migration gives
-// idem.processed_events.
+// (everyState.check). The check reads none of idem's tables: what is
+// compared is what the protocol answers, so it holds whatever layout a
+// migration gives idem.processed_events.
 
-// Fixture sources, their ttls, and the lease every claim takes.
+// Fixture sources and their ttls (each with a lease of 5 minutes and
+// max_attempts everyMax).
 var everySources = []struct {
 	name string
 	ttl  time.Duration
@@ -42,7 +43,6 @@ var everySources = []struct {
 }
 
 const (
-	everyLease   = 5 * time.Minute
 	everyAdopt   = "adopt" // the source a legacy table is being adopted into (ttl 90 days)
 	everyMax     = 3       // max_attempts of every fixture source
 	everyFP      = "fp-a"  // the fingerprint keys are claimed with, where they are
@@ -180,9 +180,11 @@ func buildEveryState(t *testing.T, ctx context.Context, url string, p *goose.Pro
 		case m.Equal(testdb.MonthStart(at, 0)):
 			return "the current month"
 		}
+		// A claim of the source looks back its ttl and 2 days, or the
+		// default policy's 30 days and 2 if longer (idem.lookbacks).
 		for _, s := range everySources {
-			if s.name == src && age > s.ttl+40*day {
-				return fmt.Sprintf("%s, before the window", m.Format("2006-01"))
+			if s.name == src && m.Before(testdb.MonthStart(at.Add(-max(s.ttl+2*day, 32*day)), 0)) {
+				return m.Format("2006-01") + ", before the source's window"
 			}
 		}
 		return m.Format("2006-01")
