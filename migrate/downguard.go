@@ -54,6 +54,7 @@ var notState = map[string]bool{
 	"idem.source_snapshots":  true, // the dashboard's per-source figures, taken again on demand
 	"idem.waiters":           true, // callers waiting on a key right now
 	"idem.maintenance_locks": true, // the maintenance locks held right now
+	"idem.claim_settings":    true, // derived from policies, lookbacks, holds and adoptions by triggers
 }
 
 // Losses returns what migrating down from version from to version to would

@@ -12,7 +12,8 @@
 --
 -- * idem.claim_settings: per source, the policy in force, the lookback,
 --   and whether the source has had an inbox hold or has an adoption in
---   progress, in one row. Triggers on idem.policies, idem.lookbacks,
+--   progress, in one row; a source with none of these of its own claims
+--   with the row of '*'. Triggers on idem.policies, idem.lookbacks,
 --   idem.holds and idem.adoptions recompute it in the same transaction as
 --   each change, so the next claim after that commit reads it (after the
 --   key's lock, with its own snapshot, as claims read those tables).
@@ -25,8 +26,7 @@
 --   transaction) goes to idem.claim_general before anything is written.
 -- * idem.claim_general: the claim of version 26, unchanged but for the
 --   SERIALIZABLE placeholders (one statement for every other month of the
---   window, and one delete, instead of two statements a month) and the
---   row it writes into idem.claim_settings for a source that has none.
+--   window, and one delete, instead of two statements a month).
 --   It takes plan_cache_mode from idem.claim (generic here, custom on
 --   Citus, as idem.citus_setup sets it).
 --
@@ -193,7 +193,6 @@ DECLARE
     v_adopt_seen boolean := false;
     v_token    bigint;
     v_placed   date[];
-    v_settings_seen boolean := false;
     v_weight   integer;
 BEGIN
     IF v_iso = 'repeatable read' THEN
@@ -273,19 +272,6 @@ BEGIN
             RAISE EXCEPTION USING ERRCODE = '42704',
                 MESSAGE = format('idem.claim: no policy for source %L and no default policy', claim_general.source),
                 HINT = 'Insert a row for the source, or the default row with source ''*'', into idem.policies.';
-        END IF;
-        -- The first claim of a source without a row in idem.claim_settings
-        -- (one that relies on the default policy) writes it, so the next
-        -- one takes idem.claim's short path (not on a hot standby or a
-        -- read-only transaction, and not on Citus, where idem.claim always
-        -- comes here).
-        IF NOT v_settings_seen THEN
-            v_settings_seen := true;
-            IF current_setting('transaction_read_only') = 'off'
-               AND current_setting('idem.citus', true) IS DISTINCT FROM 'on'
-               AND NOT EXISTS (SELECT FROM idem.claim_settings c WHERE c.source = claim_general.source) THEN
-                PERFORM idem.claim_settings_refresh(claim_general.source);
-            END IF;
         END IF;
         v_ttl := coalesce(claim_general.ttl, v_ttl);
         v_lease := coalesce(claim_general.lease, v_lease);
@@ -573,8 +559,14 @@ BEGIN
     END IF;
     -- Read after the key's lock, as claim_general reads the tables it is
     -- made from: every raise of the lookback by a write of this key is in it.
+    -- A source with no row of its own (no policy, lookback, hold or
+    -- adoption of its own) claims with the default's.
     SELECT c.ttl, c.lease, c.duplicate_sampling, c.count_per_key, c.lookback, c.holds, c.adopting
       INTO s FROM idem.claim_settings c WHERE c.source = claim.source;
+    IF NOT FOUND THEN
+        SELECT c.ttl, c.lease, c.duplicate_sampling, c.count_per_key, c.lookback, false AS holds, false AS adopting
+          INTO s FROM idem.claim_settings c WHERE c.source = '*';
+    END IF;
     v_now := idem.clock();
     IF NOT FOUND OR s.adopting
        OR coalesce(claim.lease, s.lease) > coalesce(claim.ttl, s.ttl)

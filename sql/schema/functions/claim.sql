@@ -44,8 +44,14 @@ BEGIN
     END IF;
     -- Read after the key's lock, as claim_general reads the tables it is
     -- made from: every raise of the lookback by a write of this key is in it.
+    -- A source with no row of its own (no policy, lookback, hold or
+    -- adoption of its own) claims with the default's.
     SELECT c.ttl, c.lease, c.duplicate_sampling, c.count_per_key, c.lookback, c.holds, c.adopting
       INTO s FROM idem.claim_settings c WHERE c.source = claim.source;
+    IF NOT FOUND THEN
+        SELECT c.ttl, c.lease, c.duplicate_sampling, c.count_per_key, c.lookback, false AS holds, false AS adopting
+          INTO s FROM idem.claim_settings c WHERE c.source = '*';
+    END IF;
     v_now := idem.clock();
     IF NOT FOUND OR s.adopting
        OR coalesce(claim.lease, s.lease) > coalesce(claim.ttl, s.ttl)

@@ -31,7 +31,6 @@ DECLARE
     v_adopt_seen boolean := false;
     v_token    bigint;
     v_placed   date[];
-    v_settings_seen boolean := false;
     v_weight   integer;
 BEGIN
     IF v_iso = 'repeatable read' THEN
@@ -111,19 +110,6 @@ BEGIN
             RAISE EXCEPTION USING ERRCODE = '42704',
                 MESSAGE = format('idem.claim: no policy for source %L and no default policy', claim_general.source),
                 HINT = 'Insert a row for the source, or the default row with source ''*'', into idem.policies.';
-        END IF;
-        -- The first claim of a source without a row in idem.claim_settings
-        -- (one that relies on the default policy) writes it, so the next
-        -- one takes idem.claim's short path (not on a hot standby or a
-        -- read-only transaction, and not on Citus, where idem.claim always
-        -- comes here).
-        IF NOT v_settings_seen THEN
-            v_settings_seen := true;
-            IF current_setting('transaction_read_only') = 'off'
-               AND current_setting('idem.citus', true) IS DISTINCT FROM 'on'
-               AND NOT EXISTS (SELECT FROM idem.claim_settings c WHERE c.source = claim_general.source) THEN
-                PERFORM idem.claim_settings_refresh(claim_general.source);
-            END IF;
         END IF;
         v_ttl := coalesce(claim_general.ttl, v_ttl);
         v_lease := coalesce(claim_general.lease, v_lease);
