@@ -234,7 +234,7 @@ BEGIN
                     IF v_placed IS NOT NULL THEN
                         DELETE FROM idem.processed_events e
                          WHERE e.source = claim_general.source AND e.key = claim_general.key
-                           AND e.first_seen_month >= v_lo AND e.first_seen_month <= v_hi
+                           AND e.first_seen_month BETWEEN v_lo AND v_hi
                            AND e.first_seen_month = ANY (v_placed) AND e.token = 0;
                     END IF;
                 END IF;
