@@ -262,3 +262,26 @@ func TestWaitCountedOnce(t *testing.T) {
 		}
 	}
 }
+
+// TestPeekLiveRowOnly: Peek answers "" for a key whose row expired (a claim
+// takes it as new), and the row's status while it lives.
+func TestPeekLiveRowOnly(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	c := testdb.Client(t, testdb.Pool(t, url, 2), nil)
+	cl, err := c.Claim(ctx, "peek", "k", idem.WithTTL(time.Minute), idem.WithLease(30*time.Second))
+	if err != nil || cl.Outcome != idem.Acquired {
+		t.Fatalf("%+v %v", cl, err)
+	}
+	if err := c.Complete(ctx, "peek", "k", cl.Token, json.RawMessage(`1`)); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := c.Peek(ctx, "peek", "k"); err != nil || st != "completed" {
+		t.Fatalf("live: %q %v", st, err)
+	}
+	later := testdb.Client(t, testdb.PoolAt(t, url, 2, time.Now().Add(2*time.Minute)), nil)
+	if st, err := later.Peek(ctx, "peek", "k"); err != nil || st != "" {
+		t.Fatalf("expired: %q %v, want \"\"", st, err)
+	}
+}

@@ -30,6 +30,9 @@
 --   It takes plan_cache_mode from idem.claim (generic here, custom on
 --   Citus, as idem.citus_setup sets it).
 --
+-- * idem.peek answers for a live row only (an expired key, which a claim
+--   takes as new, reads as no row), as Client.Peek has always said.
+--
 -- On Citus (idem.distributed()) the triggers are not created: idem.claim
 -- always takes idem.claim_general there.
 -- Down restores version 26's idem.claim and drops the rest.
@@ -641,7 +644,43 @@ END
 $function$;
 -- +goose StatementEnd
 
+-- idem.peek answers for a live row only, as Client.Peek says: an expired
+-- key is one a claim takes as new.
+-- +goose StatementBegin
+CREATE OR REPLACE FUNCTION idem.peek(source text, key text, OUT status text, OUT lease_remaining_ms bigint)
+ RETURNS record
+ LANGUAGE sql
+ STABLE SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+SELECT e.status,
+       CASE WHEN e.status = 'processing'
+            THEN (extract(epoch FROM e.lease_expires_at - idem.clock()) * 1000)::bigint END
+  FROM idem.processed_events e
+ WHERE e.source = peek.source AND e.key = peek.key
+   AND e.expires_at > idem.clock()
+ ORDER BY e.first_seen_month DESC
+ LIMIT 1
+$function$;
+-- +goose StatementEnd
+
 -- +goose Down
+-- +goose StatementBegin
+CREATE OR REPLACE FUNCTION idem.peek(source text, key text, OUT status text, OUT lease_remaining_ms bigint)
+ RETURNS record
+ LANGUAGE sql
+ STABLE SECURITY DEFINER
+ SET search_path TO 'pg_catalog', 'pg_temp'
+AS $function$
+SELECT e.status,
+       CASE WHEN e.status = 'processing'
+            THEN (extract(epoch FROM e.lease_expires_at - idem.clock()) * 1000)::bigint END
+  FROM idem.processed_events e
+ WHERE e.source = peek.source AND e.key = peek.key
+ ORDER BY e.first_seen_month DESC
+ LIMIT 1
+$function$;
+-- +goose StatementEnd
 -- +goose StatementBegin
 CREATE OR REPLACE FUNCTION idem.claim(source text, key text, fingerprint text DEFAULT NULL::text, ttl interval DEFAULT NULL::interval, lease interval DEFAULT NULL::interval, event_type text DEFAULT NULL::text, lock_wait interval DEFAULT NULL::interval, OUT outcome text, OUT token bigint, OUT attempt integer, OUT lease_expires_at timestamp with time zone, OUT result jsonb, OUT error text, OUT first_seen timestamp with time zone, OUT expires_at timestamp with time zone, OUT lease_remaining interval)
  RETURNS record

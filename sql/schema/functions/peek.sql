@@ -12,6 +12,7 @@ SELECT e.status,
             THEN (extract(epoch FROM e.lease_expires_at - idem.clock()) * 1000)::bigint END
   FROM idem.processed_events e
  WHERE e.source = peek.source AND e.key = peek.key
+   AND e.expires_at > idem.clock()
  ORDER BY e.first_seen_month DESC
  LIMIT 1
 $function$;
