@@ -83,6 +83,7 @@ func TestFailover(t *testing.T) {
 	for _, synchronous := range []bool{true, false} {
 		name := map[bool]string{true: "synchronous", false: "asynchronous"}[synchronous]
 		t.Run(name, func(t *testing.T) {
+			t.Parallel() // each mode has servers of its own; most of a failover is waiting
 			f := run(t, synchronous, n)
 			t.Logf("%s: %s", name, f)
 			// Whatever the mode: no token twice, every event charged once,
@@ -95,6 +96,9 @@ func TestFailover(t *testing.T) {
 			}
 			if f.shippedTwice != 0 || f.shipped != f.inboxAcked-f.inboxLost {
 				t.Errorf("the inbox handler's write committed for %d events (%d of them more than once), %d accepted and not lost", f.shipped, f.shippedTwice, f.inboxAcked-f.inboxLost)
+			}
+			if f.cacheAnswers == 0 {
+				t.Error("the cache answered no duplicate after the last failover: its listener did not come back on the new primary")
 			}
 			if f.notCompleted != 0 {
 				t.Errorf("%d acknowledged events not completed on the last primary: %v", f.notCompleted, f.notCompletedKeys)
@@ -129,7 +133,8 @@ type figures struct {
 	inboxEvents, inboxAcked   int
 	inboxRuns, inboxRanTwice  int
 	inboxLost                 int
-	shipped, shippedTwice     int // inbox events whose handler's write committed; more than once
+	shipped, shippedTwice     int   // inbox events whose handler's write committed; more than once
+	cacheAnswers              int64 // duplicates the cache answered after the last failover
 	inboxLostKeys             []string
 	elapsed                   time.Duration
 }
@@ -320,7 +325,8 @@ func run(t *testing.T, synchronous bool, n int) figures {
 		t.Fatal(err)
 	}
 	quiet := slog.New(slog.DiscardHandler)
-	c, err := idem.New(pool, &idem.Config{Logger: quiet, Cache: &idem.CacheConfig{}})
+	cacheAnswers := &cacheCounter{}
+	c, err := idem.New(pool, &idem.Config{Logger: quiet, Cache: &idem.CacheConfig{}, Tracer: cacheAnswers})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -525,6 +531,21 @@ func run(t *testing.T, synchronous bool, n int) figures {
 	t.Logf("redeliveries: %v", time.Since(phase).Round(time.Millisecond))
 	phase = time.Now()
 
+	// The cache of completed outcomes answers again on the last primary:
+	// its listener (LISTEN on a connection of its own, lost with each
+	// primary) reconnected there. Each of up to 200 events twice in a row:
+	// the second is answered by the cache.
+	from = cacheAnswers.n.Load()
+	for _, k := range keys[:min(len(keys), 200)] {
+		for range 2 {
+			if res, err := c.Do(ctx, paySource, k, work(k)); err != nil || !res.Replayed {
+				t.Fatalf("a duplicate of %s after the storm: %+v %v", k, res, err)
+			}
+		}
+	}
+	f.cacheAnswers = cacheAnswers.n.Load() - from
+	t.Logf("cache answers after the last failover: %d of %d duplicates", f.cacheAnswers, 2*min(len(keys), 200))
+
 	// The inbox: every accepted event processed (its key completed), or
 	// lost with the old primary.
 	waitInbox(t, pool, l)
@@ -577,6 +598,19 @@ func run(t *testing.T, synchronous bool, n int) figures {
 		t.Fatal(err)
 	}
 	return f
+}
+
+// cacheCounter counts the claims Config.Cache answered.
+type cacheCounter struct{ n atomic.Int64 }
+
+func (*cacheCounter) TraceStart(ctx context.Context, _ idem.TraceStartData) context.Context {
+	return ctx
+}
+
+func (c *cacheCounter) TraceEnd(_ context.Context, d idem.TraceEndData) {
+	if d.Op == idem.OpCache && d.Err == nil {
+		c.n.Add(1)
+	}
 }
 
 // fast retries a failed inbox job after 50 ms.
