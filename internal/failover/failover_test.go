@@ -79,6 +79,7 @@ func rounds(t *testing.T) int {
 // downstream is still charged once per event, by the effect's outbound
 // key.
 func TestFailover(t *testing.T) {
+	t.Parallel()
 	n := rounds(t)
 	for _, synchronous := range []bool{true, false} {
 		name := map[bool]string{true: "synchronous", false: "asynchronous"}[synchronous]

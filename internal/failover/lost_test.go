@@ -40,8 +40,10 @@ import (
 //   - a worker whose claim reached the replica keeps its lease and
 //     completes against the new primary;
 //   - a maintenance lock taken before the cut is still its holder's: the
-//     holder renews it, another waits until its lease ends.
+//     holder renews it, another takes it once its lease ends, and the old
+//     holder's late release does not take it back.
 func TestFailoverLostWrites(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	s := &servers{}
 	var err error
@@ -187,9 +189,23 @@ func TestFailoverLostWrites(t *testing.T) {
 		if h, err := runner.Acquire(ctx); err != nil || !h.Acquired {
 			t.Fatalf("its holder could not renew it: %+v %v", h, err)
 		}
-		runner.Release(ctx, slog.New(slog.DiscardHandler))
+		// The holder is gone (as if it had run against the lost primary
+		// only): the lock is the other's once its lease ends, unreleased.
+		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+			h, err := other.Acquire(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if h.Acquired {
+				break
+			}
+			if h.Holder != "runner-on-the-old-primary" || time.Now().After(deadline) {
+				t.Fatalf("the lock after its holder stopped renewing: %+v", h)
+			}
+		}
+		runner.Release(ctx, slog.New(slog.DiscardHandler)) // not its holder's any more: changes nothing
 		if h, err := other.Acquire(ctx); err != nil || !h.Acquired {
-			t.Fatalf("released, and still not taken: %+v %v", h, err)
+			t.Fatalf("the old holder's release took the lock from the new one: %+v %v", h, err)
 		}
 	})
 }
