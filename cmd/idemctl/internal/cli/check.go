@@ -75,10 +75,17 @@ type deadLetters struct {
 // completion with the old primary (asynchronous replication), or may
 // still complete it here.
 type failoverLeft struct {
-	PromotedAt time.Time  `json:"promoted_at"`
-	Timeline   int64      `json:"timeline"`
-	Processing int64      `json:"processing_from_before"`
-	Keys       []stuckKey `json:"keys,omitempty"`
+	PromotedAt time.Time     `json:"promoted_at"`
+	Timeline   int64         `json:"timeline"`
+	Processing int64         `json:"processing_from_before"`
+	Keys       []inFlightKey `json:"keys,omitempty"`
+}
+
+// inFlightKey is one key a promotion left in flight, and its lease.
+type inFlightKey struct {
+	Source     string    `json:"source"`
+	Key        string    `json:"key"`
+	LeaseUntil time.Time `json:"lease_until"`
 }
 
 // stuckNamed and deadNamed: how many keys check names per problem.
@@ -343,9 +350,9 @@ func failoverLeftovers(ctx context.Context, pool *pgxpool.Pool) (*failoverLeft, 
 	if err != nil {
 		return nil, fmt.Errorf("name the keys in flight at the promotion: %w", err)
 	}
-	if f.Keys, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (stuckKey, error) {
-		var k stuckKey
-		err := r.Scan(&k.Source, &k.Key, &k.LeaseEnded)
+	if f.Keys, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (inFlightKey, error) {
+		var k inFlightKey
+		err := r.Scan(&k.Source, &k.Key, &k.LeaseUntil)
 		return k, err
 	}); err != nil {
 		return nil, fmt.Errorf("name the keys in flight at the promotion: %w", err)
@@ -354,10 +361,10 @@ func failoverLeftovers(ctx context.Context, pool *pgxpool.Pool) (*failoverLeft, 
 }
 
 // nameInFlight is "s/k (lease until T), ..., and N more".
-func nameInFlight(keys []stuckKey, total int64) string {
+func nameInFlight(keys []inFlightKey, total int64) string {
 	var parts []string
 	for _, k := range keys {
-		parts = append(parts, fmt.Sprintf("%s/%s (lease until %s)", k.Source, idem.Quote(k.Key), k.LeaseEnded.UTC().Format(time.DateTime+"Z")))
+		parts = append(parts, fmt.Sprintf("%s/%s (lease until %s)", k.Source, idem.Quote(k.Key), k.LeaseUntil.UTC().Format(time.DateTime+"Z")))
 	}
 	if more := total - int64(len(keys)); more > 0 {
 		parts = append(parts, fmt.Sprintf("and %s more", human(more)))

@@ -92,7 +92,7 @@ func TestCheckAfterFailover(t *testing.T) {
 	}
 	r = idemctl(t, ctx, env, "check", "--json")
 	if r.code != ExitDeadLetters || !strings.Contains(r.out, `"processing_from_before": 1`) || !strings.Contains(r.out, `"timeline": 2`) ||
-		!strings.Contains(r.out, `"key": "evt_2"`) || strings.Contains(r.out, `"key": "evt_after"`) {
+		!strings.Contains(r.out, `"key": "evt_2",`) || !strings.Contains(r.out, `"lease_until": `) || strings.Contains(r.out, `"key": "evt_after"`) {
 		t.Fatalf("check --json after one completion: %d\n%s%s", r.code, r.out, r.errout)
 	}
 	var promoted time.Time
