@@ -233,10 +233,7 @@ func (d *downstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // servers is the primary and its replica, on two fixed ports: a new
 // replica takes the lost primary's port, so the application's one
 // connection string names every server of the test.
-type servers struct {
-	primary, standby *pgcluster.Cluster
-	opts             []pgcluster.Option
-}
+type servers struct{ primary, standby *pgcluster.Cluster }
 
 func (s *servers) url() string {
 	return fmt.Sprintf("host=127.0.0.1,127.0.0.1 port=%d,%d user=postgres dbname=postgres sslmode=disable target_session_attrs=read-write connect_timeout=2",
@@ -280,12 +277,17 @@ func (s *servers) stop() {
 func run(t *testing.T, synchronous bool, n int) figures {
 	ctx := context.Background()
 	began := time.Now()
-	s := &servers{opts: []pgcluster.Option{pgcluster.Setting("synchronous_commit", "on"), pgcluster.Setting("wal_receiver_status_interval", "1s")}}
+	// synchronous_commit on: the commit waits for the local flush and,
+	// with synchronous_standby_names, for the standby's (pgcluster's
+	// default, off, is for tests that never lose a server). A standby
+	// inherits the settings, so a promoted one asks for a standby too.
+	opts := []pgcluster.Option{pgcluster.Setting("synchronous_commit", "on")}
 	if synchronous {
-		s.opts = append(s.opts, pgcluster.Setting("synchronous_standby_names", "*"))
+		opts = append(opts, pgcluster.Setting("synchronous_standby_names", "*"))
 	}
+	s := &servers{}
 	var err error
-	if s.primary, err = pgcluster.Start(ctx, s.opts...); err != nil {
+	if s.primary, err = pgcluster.Start(ctx, opts...); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(s.stop)
