@@ -2,9 +2,12 @@ package cli
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/inbox"
@@ -107,5 +110,91 @@ func TestCheckAfterFailover(t *testing.T) {
 	}
 	if r := idemctl(t, ctx, env, "check"); r.code != 0 {
 		t.Fatalf("check with nothing left from before the promotion: %d\n%s%s", r.code, r.out, r.errout)
+	}
+}
+
+// TestRunAcrossFailover: `idemctl run` connected through a multi-host
+// connection string (target_session_attrs=read-write) goes on across a
+// failover: its primary is lost mid-schedule, the standby promoted, and
+// its next prune and rotation run on the new primary (recorded there in
+// idem.runs), their maintenance locks taken or renewed by the same
+// process; it exits 0 when its context ends.
+func TestRunAcrossFailover(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	primary, err := pgcluster.Start(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(primary.Stop)
+	standby, err := primary.Standby(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(standby.Stop)
+	url := fmt.Sprintf("host=127.0.0.1,127.0.0.1 port=%d,%d user=postgres dbname=postgres sslmode=disable target_session_attrs=read-write connect_timeout=2",
+		primary.Port, standby.Port)
+	if r := idemctl(t, ctx, map[string]string{"DATABASE_URL": url}, "migrate", "up"); r.code != 0 {
+		t.Fatalf("migrate up: %d\n%s%s", r.code, r.out, r.errout)
+	}
+	var out, errw testdb.Buffer
+	code := make(chan int, 1)
+	addr := freeAddr(t)
+	go func() {
+		code <- Main(ctx, []string{"run", "--database-url", url, "--listen", addr,
+			"--prune-schedule", "@every 1s", "--rotate-schedule", "@every 1s", "--sleep", "1ms"},
+			&out, &errw, func(string) string { return "" })
+	}()
+	// runsSince counts the ok runs of job recorded on c since at.
+	runsSince := func(c *pgcluster.Cluster, job string, at time.Time) int {
+		conn, err := pgx.Connect(ctx, c.URL("postgres"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close(ctx)
+		var n int
+		if err := conn.QueryRow(ctx, `SELECT count(*) FROM idem.runs WHERE job = $1 AND outcome = 'ok' AND started_at > $2`, job, at).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	waitRuns := func(c *pgcluster.Cluster, at time.Time) {
+		t.Helper()
+		for deadline := time.Now().Add(60 * time.Second); runsSince(c, "prune", at) < 2 || runsSince(c, "rotate", at) < 2; time.Sleep(100 * time.Millisecond) {
+			select {
+			case n := <-code:
+				t.Fatalf("idemctl run exited with %d: %s", n, errw.String())
+			default:
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("no prune and rotation recorded on port %d since %v within 60 s:\n%s", c.Port, at, errw.String())
+			}
+		}
+	}
+	waitRuns(primary, time.Time{})
+	primary.Crash()
+	if err := standby.Promote(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var promoted time.Time
+	conn, err := pgx.Connect(ctx, standby.URL("postgres"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = conn.QueryRow(ctx, `SELECT modification FROM pg_ls_waldir() WHERE name = '00000002.history'`).Scan(&promoted)
+	conn.Close(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitRuns(standby, promoted)
+	cancel()
+	select {
+	case n := <-code:
+		if n != 0 {
+			t.Fatalf("exit %d after shutdown: %s", n, errw.String())
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("idemctl run did not stop within 10 s of its context ending")
 	}
 }
