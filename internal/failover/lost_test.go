@@ -20,6 +20,7 @@ import (
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/db/pgxdb"
 	"github.com/idemkit/idem/idemhttp"
+	"github.com/idemkit/idem/inbox"
 	"github.com/idemkit/idem/internal/maintlock"
 	"github.com/idemkit/idem/internal/pgcluster"
 	"github.com/idemkit/idem/migrate"
@@ -39,6 +40,8 @@ import (
 //     forgotten one;
 //   - a worker whose claim reached the replica keeps its lease and
 //     completes against the new primary;
+//   - an inbox event accepted (answered) after the cut is gone: its sender
+//     will not deliver it again; one accepted before is queued;
 //   - a maintenance lock taken before the cut is still its holder's: the
 //     holder renews it, another takes it once its lease ends, and the old
 //     holder's late release does not take it back.
@@ -70,11 +73,21 @@ func TestFailoverLostWrites(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(pool.Close)
+	if _, err := inbox.Migrate(ctx, pool, ""); err != nil {
+		t.Fatal(err)
+	}
 	c, err := idem.New(pool, &idem.Config{Logger: slog.New(slog.DiscardHandler), RecordTimeout: 5 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(c.Close)
+	in, err := inbox.New(inbox.Config{Pool: pool, Idem: c, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	accept := func(key string) (inbox.Acceptance, error) {
+		return in.Accept(ctx, &inbox.Delivery{Source: "shop", Key: key, Payload: []byte(`{}`)})
+	}
 
 	down := &downstream{byKey: map[string]string{}, charges: map[string]int{}}
 	api := httptest.NewServer(down)
@@ -110,6 +123,9 @@ func TestFailoverLostWrites(t *testing.T) {
 	if err != nil || held.Outcome != idem.Acquired {
 		t.Fatalf("claim held: %+v %v", held, err)
 	}
+	if _, err := accept("order-before"); err != nil {
+		t.Fatal(err)
+	}
 	q := pgxdb.New(pool)
 	runner := maintlock.New(q, "prune", "runner-on-the-old-primary", 4*time.Second)
 	if h, err := runner.Acquire(ctx); err != nil || !h.Acquired {
@@ -125,6 +141,9 @@ func TestFailoverLostWrites(t *testing.T) {
 	late, err := c.Claim(ctx, "pay", "late")
 	if err != nil || late.Outcome != idem.Acquired {
 		t.Fatalf("claim late: %+v %v", late, err)
+	}
+	if a, err := accept("order-after"); err != nil || a.Duplicate {
+		t.Fatalf("accept order-after: %+v %v", a, err)
 	}
 
 	s.primary.Crash()
@@ -173,6 +192,21 @@ func TestFailoverLostWrites(t *testing.T) {
 		}
 		if err := c.Complete(ctx, "pay", "late", again.Token, []byte(`1`)); err != nil {
 			t.Fatal(err)
+		}
+	})
+	t.Run("an inbox event accepted after the cut is lost; one before it is queued", func(t *testing.T) {
+		// The sender of order-after got its 2xx and will not deliver it
+		// again: the event is gone, and a delivery of it would be new.
+		var before, after int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE key = 'order-before'), count(*) FILTER (WHERE key = 'order-after')
+			FROM idem.holds WHERE source = 'shop'`).Scan(&before, &after); err != nil {
+			t.Fatal(err)
+		}
+		if before != 1 || after != 0 {
+			t.Fatalf("holds on the new primary: order-before %d, order-after %d", before, after)
+		}
+		if a, err := accept("order-before"); err != nil || !a.Duplicate {
+			t.Fatalf("order-before delivered again: %+v %v", a, err)
 		}
 	})
 	t.Run("a replicated claim keeps its lease", func(t *testing.T) {
