@@ -1,10 +1,12 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"os"
 	"regexp"
+	"slices"
 	"strings"
 	"time"
 
@@ -21,7 +23,9 @@ import (
 // of its own (fsync off, the library preloaded), or on the server given
 // with -database-url if it preloads pg_stat_statements and this role may
 // reset it. The database is the claim section's steady state (9 monthly
-// partitions, 10000 completed keys of source pgbench-dup).
+// partitions, 10000 completed keys of source pgbench-dup), with the
+// ceiling section's minimal claim (ceiling/floor.sql) beside idem's for
+// comparison.
 //
 // Each phase resets the statistics, runs profileCalls() calls one after
 // the other on one connection (no contention: each statement's own time),
@@ -96,6 +100,7 @@ func profileCluster(ctx context.Context) (*pgcluster.Cluster, error) {
 	for _, q := range []string{
 		`ALTER SYSTEM SET pg_stat_statements.track = 'all'`,
 		`ALTER SYSTEM SET pg_stat_statements.track_utility = off`,
+		`ALTER SYSTEM SET track_functions = 'all'`,
 		`SELECT pg_reload_conf()`,
 	} {
 		if _, err := conn.Exec(ctx, q); err != nil {
@@ -146,6 +151,13 @@ func profileOn(ctx context.Context, adminURL string, n int, w *strings.Builder) 
 	}
 	if _, err := conn.Exec(ctx, `CREATE EXTENSION IF NOT EXISTS pg_stat_statements`); err != nil {
 		return err
+	}
+	floor, err := ceilingSQL.ReadFile("ceiling/floor.sql")
+	if err != nil {
+		return err
+	}
+	if _, err := conn.Exec(ctx, string(floor)); err != nil {
+		return fmt.Errorf("ceiling/floor.sql: %w", err)
 	}
 
 	// The first calls of a session plan the functions' statements: each
@@ -199,6 +211,17 @@ func profileOn(ctx context.Context, adminURL string, n int, w *strings.Builder) 
 				}
 				return nil
 			}},
+		{name: "bench_floor_claim of a new key (the minimal claim of the ceiling section, for comparison)",
+			op: func(ctx context.Context, conn *pgx.Conn, i int) error {
+				var outcome string
+				if err := conn.QueryRow(ctx, `SELECT outcome FROM bench_floor_claim($1, $2)`, "profile-floor", newKey()).Scan(&outcome); err != nil {
+					return err
+				}
+				if outcome != "acquired" {
+					return fmt.Errorf("the minimal claim of a new key answered %s", outcome)
+				}
+				return nil
+			}},
 		{name: "idem.claim of a new key in a SERIALIZABLE transaction (BEGIN and COMMIT not counted)",
 			op: func(ctx context.Context, conn *pgx.Conn, i int) error {
 				return pgx.BeginTxFunc(ctx, conn, pgx.TxOptions{IsoLevel: pgx.Serializable}, func(tx pgx.Tx) error {
@@ -225,7 +248,7 @@ func profileOn(ctx context.Context, adminURL string, n int, w *strings.Builder) 
 				return fmt.Errorf("%s: %w", p.name, err)
 			}
 		}
-		before, err := profileUpdates(ctx, conn)
+		before, err := profileCounts(ctx, conn)
 		if err != nil {
 			return err
 		}
@@ -240,10 +263,11 @@ func profileOn(ctx context.Context, adminURL string, n int, w *strings.Builder) 
 		if err := profileTable(ctx, conn, p.name, n, w); err != nil {
 			return err
 		}
-		after, err := profileUpdates(ctx, conn)
+		after, err := profileCounts(ctx, conn)
 		if err != nil {
 			return err
 		}
+		profileFunctions(before, after, n, w)
 		if upd := after.upd - before.upd; upd > 0 {
 			fmt.Fprintf(w, "Updates of idem.processed_events: %.2f per operation, %.0f%% of them HOT (n_tup_hot_upd).\n\n",
 				float64(upd)/float64(n), 100*float64(after.hot-before.hot)/float64(upd))
@@ -252,25 +276,77 @@ func profileOn(ctx context.Context, adminURL string, n int, w *strings.Builder) 
 	return nil
 }
 
-// updateCounts are the updates of idem.processed_events' partitions so far.
-type updateCounts struct{ upd, hot int64 }
+// counts are what the statistics collector has counted so far: the
+// updates of idem.processed_events' partitions and the calls of each
+// function (track_functions = all).
+type counts struct {
+	upd, hot int64
+	funcs    map[string]funcCount
+}
 
-// profileUpdates reads the updates of idem.processed_events' partitions,
-// this session's included: they are flushed to the statistics once the
-// session is idle after a forced flush.
-func profileUpdates(ctx context.Context, conn *pgx.Conn) (updateCounts, error) {
-	var c updateCounts
+type funcCount struct {
+	calls       int64
+	total, self float64 // ms
+}
+
+// profileCounts reads the counts, this session's included: they are
+// flushed to the statistics once the session is idle after a forced
+// flush.
+func profileCounts(ctx context.Context, conn *pgx.Conn) (counts, error) {
+	c := counts{funcs: map[string]funcCount{}}
 	if _, err := conn.Exec(ctx, `SELECT pg_stat_force_next_flush()`); err != nil {
 		return c, err
 	}
 	if _, err := conn.Exec(ctx, `SELECT 1`); err != nil {
 		return c, err
 	}
-	err := conn.QueryRow(ctx, `
+	if err := conn.QueryRow(ctx, `
 		SELECT coalesce(sum(t.n_tup_upd), 0)::bigint, coalesce(sum(t.n_tup_hot_upd), 0)::bigint
 		  FROM pg_stat_user_tables t
-		 WHERE t.relid IN (SELECT i.inhrelid FROM pg_inherits i WHERE i.inhparent = 'idem.processed_events'::regclass)`).Scan(&c.upd, &c.hot)
-	return c, err
+		 WHERE t.relid IN (SELECT i.inhrelid FROM pg_inherits i WHERE i.inhparent = 'idem.processed_events'::regclass)`).Scan(&c.upd, &c.hot); err != nil {
+		return c, err
+	}
+	rows, err := conn.Query(ctx, `SELECT f.schemaname || '.' || f.funcname, f.calls, f.total_time, f.self_time FROM pg_stat_user_functions f`)
+	if err != nil {
+		return c, err
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var name string
+		var f funcCount
+		if err := rows.Scan(&name, &f.calls, &f.total, &f.self); err != nil {
+			return c, err
+		}
+		g := c.funcs[name] // overloads add up
+		c.funcs[name] = funcCount{g.calls + f.calls, g.total + f.total, g.self + f.self}
+	}
+	return c, rows.Err()
+}
+
+// profileFunctions writes the functions called between before and after
+// (PL/pgSQL and SQL functions not inlined): calls, total and own time per
+// operation, the most expensive first.
+func profileFunctions(before, after counts, n int, w *strings.Builder) {
+	type row struct {
+		name string
+		funcCount
+	}
+	var rows []row
+	for name, a := range after.funcs {
+		b := before.funcs[name]
+		if d := (funcCount{a.calls - b.calls, a.total - b.total, a.self - b.self}); d.calls > 0 {
+			rows = append(rows, row{name, d})
+		}
+	}
+	if len(rows) == 0 {
+		return
+	}
+	slices.SortFunc(rows, func(x, y row) int { return cmp.Compare(y.total, x.total) })
+	fmt.Fprintf(w, "| function (pg_stat_user_functions, track_functions = all) | calls per operation | µs per operation | of it its own (self) |\n|---|---|---|---|\n")
+	for _, r := range rows {
+		fmt.Fprintf(w, "| `%s` | %.2f | %.1f | %.1f |\n", r.name, float64(r.calls)/float64(n), r.total*1000/float64(n), r.self*1000/float64(n))
+	}
+	fmt.Fprintln(w)
 }
 
 // profileTable writes the statistics of the phase just run as a markdown
@@ -312,6 +388,17 @@ func profileTable(ctx context.Context, conn *pgx.Conn, name string, n int, w *st
 		fmt.Fprintf(w, "| `%s` | %s | %.2f | %.1f | %.1f |\n", profileQuery(s.query), level, float64(s.calls)/float64(n), s.mean*1000, s.perOperation*1000)
 	}
 	fmt.Fprintln(w)
+	var call, nested float64
+	for _, s := range stats {
+		if s.top {
+			call += s.perOperation
+		} else {
+			nested += s.perOperation
+		}
+	}
+	fmt.Fprintf(w, "Outside every statement counted (PL/pgSQL itself, simple expressions, the function call's settings, executor start and end: "+
+		"pg_stat_statements times a statement's run only): at least %.1f µs per operation, the call's %.1f less its nested statements' %.1f.\n\n",
+		(call-nested)*1000, call*1000, nested*1000)
 	return nil
 }
 
