@@ -61,6 +61,16 @@ func main() {
 	flag.IntVar(&upgradeKeys, "upgrade-keys", 0, "the upgrade section's stored keys (default 200000, full 2000000)")
 	flag.IntVar(&upgradeClients, "upgrade-clients", upgradeClients, "the upgrade section's claiming clients")
 	flag.StringVar(&upgradeIdemctl, "idemctl", "", "the upgrade section: migrate with this idemctl binary (migrate up --river=false) instead of the same code in process")
+	flag.Func("clients", "the client counts of the sections that take several, comma-separated (default 8,32)", func(v string) error {
+		for _, f := range strings.Split(v, ",") {
+			n, err := strconv.Atoi(strings.TrimSpace(f))
+			if err != nil || n < 1 || n > 64 {
+				return fmt.Errorf("client count %q: want 1 to 64", f)
+			}
+			o.clients = append(o.clients, n)
+		}
+		return nil
+	})
 	flag.IntVar(&profileOps, "profile-ops", 0, "the profile section's operations per phase (default 3000, full 20000)")
 	flag.Func("batch-sizes", "the batch section's batch sizes, comma-separated (default 1,10,100,1000)", func(v string) error {
 		var sizes []int
@@ -85,8 +95,10 @@ func main() {
 }
 
 func (o *options) defaults() {
-	if o.full {
+	if o.clients == nil {
 		o.clients = []int{8, 32}
+	}
+	if o.full {
 		o.backlog, o.retireRows, o.scaleSmall, o.scaleLarge = 2_000_000, 1_000_000, 1_000_000, 20_000_000
 		if o.rounds == 0 {
 			o.rounds = 5
@@ -95,7 +107,6 @@ func (o *options) defaults() {
 			o.duration = 5 * time.Second
 		}
 	} else {
-		o.clients = []int{8, 32}
 		o.backlog, o.retireRows, o.scaleSmall, o.scaleLarge = 200_000, 200_000, 100_000, 1_000_000
 		if o.rounds == 0 {
 			o.rounds = 3

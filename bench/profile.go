@@ -306,7 +306,8 @@ func profileCounts(ctx context.Context, conn *pgx.Conn) (counts, error) {
 		 WHERE t.relid IN (SELECT i.inhrelid FROM pg_inherits i WHERE i.inhparent = 'idem.processed_events'::regclass)`).Scan(&c.upd, &c.hot); err != nil {
 		return c, err
 	}
-	rows, err := conn.Query(ctx, `SELECT f.schemaname || '.' || f.funcname, f.calls, f.total_time, f.self_time FROM pg_stat_user_functions f`)
+	rows, err := conn.Query(ctx, `SELECT f.schemaname || '.' || f.funcname, f.calls, f.total_time, f.self_time
+		FROM pg_stat_user_functions f WHERE f.funcname NOT LIKE 'pg_stat_statements%'`)
 	if err != nil {
 		return c, err
 	}
