@@ -217,7 +217,10 @@ func pgbenchCompare(ctx context.Context, s server, o options, a, b pgbenchSide, 
 	if s.binDir != "" {
 		bin = filepath.Join(s.binDir, "pgbench")
 	}
-	var as, bs, rs, ra, rb []float64
+	if o.rounds < 1 {
+		return cell{}, fmt.Errorf("%d rounds: want at least 1", o.rounds)
+	}
+	var as, bs, rs, ra, rb, fa, fb []float64
 	for r := range o.rounds {
 		var x, y pgbenchRun
 		run := func(first bool) error {
@@ -237,10 +240,15 @@ func pgbenchCompare(ctx context.Context, s server, o options, a, b pgbenchSide, 
 		}
 		as, bs, rs = append(as, x.tps), append(bs, y.tps), append(rs, x.tps/y.tps)
 		ra, rb = append(ra, x.retried), append(rb, y.retried)
+		fa, fb = append(fa, x.failed), append(fb, y.failed)
 	}
 	c := cell{a: median(as), b: median(bs), ratio: median(rs), spread: spread(rs), unit: "tps"}
 	if retries(a) || retries(b) {
 		c.note = fmt.Sprintf("transactions retried: %.1f%% (%.1f..%.1f) vs %.1f%%", median(ra), slices.Min(ra), slices.Max(ra), median(rb))
+	}
+	if slices.Max(fa) > 0 || slices.Max(fb) > 0 {
+		c.note = strings.TrimPrefix(c.note+fmt.Sprintf("; failed after every try: %.1f%% (..%.1f) vs %.1f%% (..%.1f)",
+			median(fa), slices.Max(fa), median(fb), slices.Max(fb)), "; ")
 	}
 	return c, nil
 }
@@ -260,8 +268,9 @@ type pgbenchRun struct {
 	tps float64
 	// retried is the percentage of transactions retried after a
 	// serialization failure or a deadlock (0 unless the side's args allow
-	// retries with --max-tries).
-	retried float64
+	// retries with --max-tries); failed, of those that failed still after
+	// the last try.
+	retried, failed float64
 }
 
 // pgbench runs one side's script for d (whole seconds, at least one) and
@@ -287,6 +296,7 @@ func pgbench(ctx context.Context, bin string, side pgbenchSide, clients int, d t
 	sc := bufio.NewScanner(&out)
 	tps := regexp.MustCompile(`^tps = ([0-9.]+)`)
 	retried := regexp.MustCompile(`^number of transactions retried: [0-9]+ \(([0-9.]+)%\)`)
+	failed := regexp.MustCompile(`^number of failed transactions: [0-9]+ \(([0-9.]+)%\)`)
 	for sc.Scan() {
 		if m := tps.FindStringSubmatch(sc.Text()); m != nil {
 			var err error
@@ -297,6 +307,9 @@ func pgbench(ctx context.Context, bin string, side pgbenchSide, clients int, d t
 		}
 		if m := retried.FindStringSubmatch(sc.Text()); m != nil {
 			r.retried, _ = strconv.ParseFloat(m[1], 64)
+		}
+		if m := failed.FindStringSubmatch(sc.Text()); m != nil {
+			r.failed, _ = strconv.ParseFloat(m[1], 64)
 		}
 	}
 	if !found {
