@@ -178,6 +178,17 @@ func profileOn(ctx context.Context, adminURL string, n int, w *strings.Builder) 
 			return nil
 		}
 	}
+	// serializable claims new keys of source in SERIALIZABLE transactions,
+	// with ttl (nil: the policy's).
+	serializable := func(name, source string, ttl any) profilePhase {
+		return profilePhase{name: "idem.claim of a new key in a SERIALIZABLE transaction, " + name + " (BEGIN and COMMIT not counted)",
+			op: func(ctx context.Context, conn *pgx.Conn, i int) error {
+				return pgx.BeginTxFunc(ctx, conn, pgx.TxOptions{IsoLevel: pgx.Serializable}, func(tx pgx.Tx) error {
+					var outcome string
+					return tx.QueryRow(ctx, `SELECT outcome FROM idem.claim($1, $2, ttl => $3::interval)`, source, newKey(), ttl).Scan(&outcome)
+				})
+			}}
+	}
 	phases := []profilePhase{
 		{name: "idem.claim of a new key", op: claimNew("profile")},
 		{name: "idem.complete_stored of the key claimed (what Do sends after the work)",
@@ -222,13 +233,8 @@ func profileOn(ctx context.Context, adminURL string, n int, w *strings.Builder) 
 				}
 				return nil
 			}},
-		{name: "idem.claim of a new key in a SERIALIZABLE transaction (BEGIN and COMMIT not counted)",
-			op: func(ctx context.Context, conn *pgx.Conn, i int) error {
-				return pgx.BeginTxFunc(ctx, conn, pgx.TxOptions{IsoLevel: pgx.Serializable}, func(tx pgx.Tx) error {
-					var outcome string
-					return tx.QueryRow(ctx, `SELECT outcome FROM idem.claim($1, $2)`, "profile-serializable", newKey()).Scan(&outcome)
-				})
-			}},
+		serializable("the default policy", "profile-serializable", nil),
+		serializable("a 400-day ttl", "profile-serializable-400", "400 days"),
 	}
 	var version string
 	if err := conn.QueryRow(ctx, `SELECT current_setting('server_version')`).Scan(&version); err != nil {

@@ -26,7 +26,7 @@ func TestProfileSectionSmoke(t *testing.T) {
 	out := w.String()
 	t.Log(out)
 	for _, want := range []string{"### idem.claim of a new key\n", "### idem.complete_stored of the key claimed", "### idem.claim of a duplicate",
-		"### idem.claim of a new key in a SERIALIZABLE transaction", "### bench_floor_claim of a new key",
+		"### idem.claim of a new key in a SERIALIZABLE transaction, the default policy", "### idem.claim of a new key in a SERIALIZABLE transaction, a 400-day ttl", "### bench_floor_claim of a new key",
 		"| **call** | 1.00 |", "INSERT INTO idem.processed_events", "% of them HOT (n_tup_hot_upd)",
 		"| `idem.claim` | 1.00 |", "| `idem.complete` | 1.00 |", "Outside every statement counted", "UPDATE idem.processed_events", "| nested |"} {
 		if !strings.Contains(out, want) {
