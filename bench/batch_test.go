@@ -69,18 +69,27 @@ func TestCeilingSectionSmoke(t *testing.T) {
 		})
 	}
 	o := options{rounds: 1, duration: 50 * time.Millisecond, clients: []int{1}}
-	tab := &v2table{}
-	if err := benchCeilingOn(ctx, srv, o, tab); err != nil {
+	tab, floor := &v2table{}, &v2table{}
+	if err := benchCeilingOn(ctx, srv, o, tab, floor); err != nil {
 		t.Fatal(err)
 	}
 	var b strings.Builder
-	tab.servers = []string{"smoke"}
+	tab.servers, floor.servers = []string{"smoke"}, []string{"smoke"}
 	tab.write(&b)
 	for _, x := range ceilingExperiments {
 		for _, want := range []string{x.name + ", vs as shipped", x.name + ", vs the hand-written batch pattern"} {
 			if !strings.Contains(b.String(), want) {
 				t.Errorf("no row %q in\n%s", want, b.String())
 			}
+		}
+	}
+	b.Reset()
+	floor.write(&b)
+	for _, want := range []string{"idem.claim vs the minimal claim: new keys, 1 clients", "idem.claim vs the minimal claim: duplicates",
+		"vs the minimal claim and completion: new keys", "the minimal claim vs raw INSERT", "the minimal claim vs the raw conflict path",
+		"the minimal claim and completion vs the hand-written insert-first pattern"} {
+		if !strings.Contains(b.String(), want) {
+			t.Errorf("no row %q in\n%s", want, b.String())
 		}
 	}
 }

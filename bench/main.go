@@ -56,11 +56,22 @@ func main() {
 	flag.IntVar(&o.rounds, "rounds", 0, "interleaved rounds per comparison (default 3, full 5)")
 	flag.DurationVar(&o.duration, "duration", 0, "length of one side of one round (default 2s, full 5s)")
 	flag.StringVar(&o.out, "out", "bench/results.md", "write the markdown table here too")
-	flag.StringVar(&o.only, "only", "", "run only the sections whose name contains this (claim, dup, complete, lib, maint, retention, scale, inbox, wait, cache, otel, adopt, plans, dashboard, e2e, batch; ceiling and upgrade run only when named)")
+	flag.StringVar(&o.only, "only", "", "run only the sections whose name contains this (claim, dup, complete, lib, maint, retention, scale, inbox, wait, cache, otel, adopt, plans, dashboard, e2e, batch; ceiling, profile and upgrade run only when named)")
 	flag.Int64Var(&upgradeFrom, "upgrade-from", upgradeFrom, "the upgrade section's starting version")
 	flag.IntVar(&upgradeKeys, "upgrade-keys", 0, "the upgrade section's stored keys (default 200000, full 2000000)")
 	flag.IntVar(&upgradeClients, "upgrade-clients", upgradeClients, "the upgrade section's claiming clients")
 	flag.StringVar(&upgradeIdemctl, "idemctl", "", "the upgrade section: migrate with this idemctl binary (migrate up --river=false) instead of the same code in process")
+	flag.Func("clients", "the client counts of the sections that take several, comma-separated (default 8,32)", func(v string) error {
+		for _, f := range strings.Split(v, ",") {
+			n, err := strconv.Atoi(strings.TrimSpace(f))
+			if err != nil || n < 1 || n > 64 {
+				return fmt.Errorf("client count %q: want 1 to 64", f)
+			}
+			o.clients = append(o.clients, n)
+		}
+		return nil
+	})
+	flag.IntVar(&profileOps, "profile-ops", 0, "the profile section's operations per phase (default 3000, full 20000)")
 	flag.Func("batch-sizes", "the batch section's batch sizes, comma-separated (default 1,10,100,1000)", func(v string) error {
 		var sizes []int
 		for _, f := range strings.Split(v, ",") {
@@ -84,8 +95,10 @@ func main() {
 }
 
 func (o *options) defaults() {
-	if o.full {
+	if o.clients == nil {
 		o.clients = []int{8, 32}
+	}
+	if o.full {
 		o.backlog, o.retireRows, o.scaleSmall, o.scaleLarge = 2_000_000, 1_000_000, 1_000_000, 20_000_000
 		if o.rounds == 0 {
 			o.rounds = 5
@@ -94,7 +107,6 @@ func (o *options) defaults() {
 			o.duration = 5 * time.Second
 		}
 	} else {
-		o.clients = []int{8, 32}
 		o.backlog, o.retireRows, o.scaleSmall, o.scaleLarge = 200_000, 200_000, 100_000, 1_000_000
 		if o.rounds == 0 {
 			o.rounds = 3
@@ -175,6 +187,8 @@ func run(ctx context.Context, o options) error {
 	claims := &v2table{}
 	e2e := &v2table{title: "End to end, through the Go API (median ratio of interleaved rounds, spread min..max)"}
 	batch := &v2table{title: "Batch claims: keys per second (median ratio of interleaved rounds, spread min..max)"}
+	floor := &v2table{title: "The floor: the shipped single-key claim and completion against the least they can do on idem.processed_events (bench/ceiling/floor.sql; pgbench; median ratio of interleaved rounds, spread min..max)"}
+	profile := &strings.Builder{}
 	ceiling := &v2table{title: "Batch ceilings: DoBatch with the protocol functions reduced to the least that answers (experiments, never migrations; median ratio of interleaved rounds, spread min..max)"}
 	sections := []struct {
 		name string
@@ -196,12 +210,15 @@ func run(ctx context.Context, o options) error {
 		{"dashboard", benchDashboard},
 		{"e2e", func(ctx context.Context, e *env, o options, _ *table) error { return benchE2E(ctx, e, o, e2e) }},
 		{"batch", func(ctx context.Context, e *env, o options, _ *table) error { return benchBatch(ctx, e, o, batch) }},
-		// Opt-in: -only ceiling, -only upgrade.
-		{"ceiling", func(ctx context.Context, e *env, o options, _ *table) error { return benchCeiling(ctx, e, o, ceiling) }},
+		// Opt-in: -only ceiling, -only profile, -only upgrade.
+		{"ceiling", func(ctx context.Context, e *env, o options, _ *table) error {
+			return benchCeiling(ctx, e, o, ceiling, floor)
+		}},
+		{"profile", func(ctx context.Context, e *env, o options, _ *table) error { return benchProfile(ctx, e, o, profile) }},
 		{"upgrade", benchUpgrade},
 	}
 	for _, s := range sections {
-		if (o.only != "" && !strings.Contains(s.name, o.only)) || (o.only == "" && (s.name == "ceiling" || s.name == "upgrade")) {
+		if (o.only != "" && !strings.Contains(s.name, o.only)) || (o.only == "" && (s.name == "ceiling" || s.name == "profile" || s.name == "upgrade")) {
 			continue
 		}
 		fmt.Fprintf(os.Stderr, "bench: %s...\n", s.name)
@@ -223,7 +240,9 @@ func run(ctx context.Context, o options) error {
 	claims.write(&w)
 	e2e.write(&w)
 	batch.write(&w)
+	floor.write(&w)
 	ceiling.write(&w)
+	w.WriteString(profile.String())
 	if len(waitNotes) > 0 {
 		fmt.Fprintf(&w, "## What the statements wait on (pg_stat_activity sampled every 5 ms; CPU: no wait event)\n\n%s\n\n", strings.Join(waitNotes, "\n"))
 	}

@@ -53,6 +53,11 @@ type Cluster struct {
 	exited  chan struct{}
 	waitErr error
 	durable bool
+	// settings are passed to the server after the defaults (-c name=value),
+	// so they override them; a standby inherits its primary's.
+	settings []string
+	// port, when set, is the only port the server is started on.
+	port int
 }
 
 // URL is a keyword/value connection string for database name on the cluster,
@@ -105,6 +110,19 @@ type Option func(*Cluster)
 // tests). Benchmarks report their durable numbers from such a cluster.
 func Durable() Option { return func(c *Cluster) { c.durable = true } }
 
+// Setting passes name=value to the server (postgres -c), after the
+// defaults Start sets, so that it overrides them (synchronous_commit,
+// synchronous_standby_names). A standby inherits its primary's settings.
+func Setting(name, value string) Option {
+	return func(c *Cluster) { c.settings = append(c.settings, name+"="+value) }
+}
+
+// OnPort starts the server on port and no other (a failover test puts a
+// new standby where the lost primary was, so that one multi-host
+// connection string names every server the test ever runs). A port that
+// another process holds is an error.
+func OnPort(port int) Option { return func(c *Cluster) { c.port = port } }
+
 // Start initializes and starts a cluster in a new temporary directory.
 // The server is a child of this process and dies with it.
 func Start(ctx context.Context, opts ...Option) (*Cluster, error) {
@@ -156,6 +174,10 @@ func Start(ctx context.Context, opts ...Option) (*Cluster, error) {
 // binary picking its own) can take it before the server binds it: then
 // the server is started again on another port, up to portAttempts times.
 func (c *Cluster) startOnFreePort(ctx context.Context) error {
+	if c.port != 0 {
+		c.Port = c.port
+		return c.startServer(ctx)
+	}
 	var err error
 	for range portAttempts {
 		if c.Port, err = pickPort(); err != nil {
@@ -219,6 +241,9 @@ func (c *Cluster) startServer(ctx context.Context) error {
 		"-c", "max_pred_locks_per_transaction=256",
 		"-c", "log_min_messages=warning",
 	)
+	for _, kv := range c.settings {
+		c.cmd.Args = append(c.cmd.Args, "-c", kv)
+	}
 	c.cmd.Stdout, c.cmd.Stderr = logf, logf
 	c.cmd.SysProcAttr = &syscall.SysProcAttr{Credential: c.cred, Pdeathsig: syscall.SIGQUIT, Setpgid: true}
 	if err := c.cmd.Start(); err != nil {
@@ -277,11 +302,40 @@ func (c *Cluster) RestartImmediate(ctx context.Context) error {
 	return c.startServer(ctx)
 }
 
+// Crash stops the server as pg_ctl stop -m immediate does (every backend
+// quits at once, no checkpoint, nothing more sent to its standbys) and
+// leaves its directory: a primary lost, for a failover test. Stop or
+// Remove it afterwards.
+func (c *Cluster) Crash() { c.stop(syscall.SIGQUIT) }
+
+// Promote makes a standby a primary (pg_promote, waiting up to a minute
+// for the promotion to finish): it leaves recovery on a new timeline and
+// accepts writes.
+func (c *Cluster) Promote(ctx context.Context) error {
+	conn, err := pgx.Connect(ctx, c.URL("postgres"))
+	if err != nil {
+		return err
+	}
+	defer conn.Close(ctx)
+	var ok bool
+	if err := conn.QueryRow(ctx, `SELECT pg_catalog.pg_promote(true, 60)`).Scan(&ok); err != nil {
+		return fmt.Errorf("promote: %w", err)
+	}
+	if !ok {
+		return errors.New("promote: the standby did not finish its promotion within 60 s")
+	}
+	return nil
+}
+
 // Standby starts a hot standby of c: a base backup of c (pg_basebackup
 // -R, streaming replication over c's socket) in a directory of its own,
-// started read-only on a port of its own. Stop it before c.
-func (c *Cluster) Standby(ctx context.Context) (*Cluster, error) {
-	s := &Cluster{BinDir: c.BinDir, cred: c.cred, durable: c.durable}
+// started read-only on a port of its own (or OnPort's), with c's
+// settings and then opts'. Stop it before c.
+func (c *Cluster) Standby(ctx context.Context, opts ...Option) (*Cluster, error) {
+	s := &Cluster{BinDir: c.BinDir, cred: c.cred, durable: c.durable, settings: append([]string(nil), c.settings...)}
+	for _, o := range opts {
+		o(s)
+	}
 	var err error
 	if s.Dir, err = os.MkdirTemp("", "idem-pg-standby-"); err != nil {
 		return nil, err

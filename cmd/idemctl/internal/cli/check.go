@@ -15,6 +15,7 @@ import (
 
 	"github.com/idemkit/idem/db/pgxdb"
 	"github.com/idemkit/idem/inbox"
+	"github.com/idemkit/idem/internal/sqlstate"
 )
 
 func init() { register(newCheckCmd) }
@@ -45,8 +46,11 @@ type health struct {
 	// of the installation, but events an operator must look at (exit 7
 	// when nothing else is wrong).
 	DeadLetters []deadLetters `json:"dead_letters,omitempty"`
-	Problems    []string      `json:"problems"`
-	Attention   []string      `json:"attention"`
+	// Failover: what the promotion of this server (a standby that became
+	// the primary) left in flight, when it was promoted.
+	Failover  *failoverLeft `json:"failover,omitempty"`
+	Problems  []string      `json:"problems"`
+	Attention []string      `json:"attention"`
 }
 
 // stuckKey is one key stuck in processing, and since when.
@@ -63,6 +67,25 @@ type deadLetters struct {
 	Count  int64     `json:"count"`
 	Oldest time.Time `json:"oldest"`
 	Keys   []string  `json:"keys"`
+}
+
+// failoverLeft is what was in flight when this server was promoted: keys
+// in processing whose lease was granted (or last extended) before the
+// promotion, by a worker that may have done the work and lost its
+// completion with the old primary (asynchronous replication), or may
+// still complete it here.
+type failoverLeft struct {
+	PromotedAt time.Time     `json:"promoted_at"`
+	Timeline   int64         `json:"timeline"`
+	Processing int64         `json:"processing_from_before"`
+	Keys       []inFlightKey `json:"keys,omitempty"`
+}
+
+// inFlightKey is one key a promotion left in flight, and its lease.
+type inFlightKey struct {
+	Source     string    `json:"source"`
+	Key        string    `json:"key"`
+	LeaseUntil time.Time `json:"lease_until"`
 }
 
 // stuckNamed and deadNamed: how many keys check names per problem.
@@ -189,6 +212,14 @@ func measure(ctx context.Context, pool *pgxpool.Pool, c checkConfig) (*health, e
 			"`idemctl release --source S --key K` lets the next delivery run one again",
 			plural(h.Stuck, "key", "keys"), c.stuckGrace, map[bool]string{true: "its", false: "their"}[h.Stuck == 1], c.maxStuck, nameStuck(h.StuckKeys, h.Stuck)))
 	}
+	if h.Failover, err = failoverLeftovers(ctx, pool); err != nil {
+		return nil, err
+	}
+	if f := h.Failover; f != nil && f.Processing > 0 {
+		h.Attention = append(h.Attention, fmt.Sprintf("%s in processing since before this server's promotion at %s (timeline %d): %s; "+
+			"a worker may have done the work and lost its completion with the old primary: each runs again at its next delivery after its lease, and its effects replay or send their outbound keys again",
+			plural(f.Processing, "key", "keys"), f.PromotedAt.UTC().Format(time.DateTime+"Z"), f.Timeline, nameInFlight(f.Keys, f.Processing)))
+	}
 	// Every event the inbox accepted is processed, dead-lettered, or
 	// queued with a job that will run it.
 	ib, err := inbox.Reconcile(ctx, pool, c.riverSchema)
@@ -285,6 +316,60 @@ func stuckKeys(ctx context.Context, pool *pgxpool.Pool, grace time.Duration) ([]
 		return nil, fmt.Errorf("name the stuck keys: %w", err)
 	}
 	return keys, nil
+}
+
+// failoverLeftovers finds this server's promotion, nil when it never
+// was promoted (timeline 1) or the role may not list pg_wal (pg_ls_waldir:
+// superuser or pg_monitor). A promotion writes the history file of its
+// new timeline, the highest-numbered one, into pg_wal; its modification
+// time is the promotion's. Then it counts the keys in processing whose
+// lease was granted or extended before it, not held for the inbox's queue
+// (a queued event waits for its job, whatever the promotion), and names
+// the oldest.
+func failoverLeftovers(ctx context.Context, pool *pgxpool.Pool) (*failoverLeft, error) {
+	var name string
+	var f failoverLeft
+	err := pool.QueryRow(ctx, `SELECT w.name, w.modification FROM pg_catalog.pg_ls_waldir() w
+		WHERE w.name OPERATOR(pg_catalog.~) '^[0-9A-F]{8}\.history$' ORDER BY w.name DESC LIMIT 1`).Scan(&name, &f.PromotedAt)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows), sqlstate.Of(err) == sqlstate.InsufficientPrivilege:
+		return nil, nil
+	case err != nil:
+		return nil, fmt.Errorf("look for a promotion: %w", err)
+	}
+	if _, err := fmt.Sscanf(name, "%08X.history", &f.Timeline); err != nil {
+		return nil, fmt.Errorf("look for a promotion: history file %q: %w", name, err)
+	}
+	const from = ` FROM idem.processed_events e
+	 WHERE e.status = 'processing' AND e.updated_at < $1 AND e.expires_at > idem.clock()
+	   AND NOT EXISTS (SELECT FROM idem.holds h WHERE h.source = e.source AND h.key = e.key)`
+	if err := pool.QueryRow(ctx, `SELECT count(*)`+from, f.PromotedAt).Scan(&f.Processing); err != nil {
+		return nil, fmt.Errorf("count the keys in flight at the promotion: %w", err)
+	}
+	rows, err := pool.Query(ctx, `SELECT e.source, e.key, e.lease_expires_at`+from+` ORDER BY e.updated_at, e.source, e.key LIMIT $2`, f.PromotedAt, stuckNamed)
+	if err != nil {
+		return nil, fmt.Errorf("name the keys in flight at the promotion: %w", err)
+	}
+	if f.Keys, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (inFlightKey, error) {
+		var k inFlightKey
+		err := r.Scan(&k.Source, &k.Key, &k.LeaseUntil)
+		return k, err
+	}); err != nil {
+		return nil, fmt.Errorf("name the keys in flight at the promotion: %w", err)
+	}
+	return &f, nil
+}
+
+// nameInFlight is "s/k (lease until T), ..., and N more".
+func nameInFlight(keys []inFlightKey, total int64) string {
+	var parts []string
+	for _, k := range keys {
+		parts = append(parts, fmt.Sprintf("%s/%s (lease until %s)", k.Source, idem.Quote(k.Key), k.LeaseUntil.UTC().Format(time.DateTime+"Z")))
+	}
+	if more := total - int64(len(keys)); more > 0 {
+		parts = append(parts, fmt.Sprintf("and %s more", human(more)))
+	}
+	return strings.Join(parts, ", ")
 }
 
 // nameStuck is "s/k (lease ended T), ..., and N more".

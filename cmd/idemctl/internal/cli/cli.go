@@ -28,7 +28,7 @@ const (
 	ExitLocked      = 4 // another instance holds the lock (only with --fail-if-locked)
 	ExitUnhealthy   = 5 // `check` found a problem
 	ExitNotMigrated = 6 // schema idem is missing or out of date: run `idemctl migrate up`
-	ExitDeadLetters = 7 // `check` found nothing unhealthy but dead letters wait for an operator
+	ExitDeadLetters = 7 // `check` found nothing unhealthy but dead letters (or keys a failover left in flight) wait for an operator
 	ExitLeft        = 8 // `inbox replay` went through every dead letter and left some as they are (the counts say why)
 )
 
