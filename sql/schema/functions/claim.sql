@@ -44,13 +44,20 @@ BEGIN
     END IF;
     -- Read after the key's lock, as claim_general reads the tables it is
     -- made from: every raise of the lookback by a write of this key is in it.
-    -- A source with no row of its own (no policy, lookback, hold or
-    -- adoption of its own) claims with the default's.
+    -- A source with no row of its own yet claims with the default's.
     SELECT c.ttl, c.lease, c.duplicate_sampling, c.count_per_key, c.lookback, c.holds, c.adopting
       INTO s FROM idem.claim_settings c WHERE c.source = claim.source;
     IF NOT FOUND THEN
         SELECT c.ttl, c.lease, c.duplicate_sampling, c.count_per_key, c.lookback, false AS holds, false AS adopting
           INTO s FROM idem.claim_settings c WHERE c.source = '*';
+        -- The source's own row, for its next claims (one lookup), written
+        -- by a claim that can without waiting: one that holds the
+        -- source's settings lock (class 1768187248) until it commits, so
+        -- the others do not queue behind its uncommitted row.
+        IF FOUND AND current_setting('transaction_read_only') = 'off'
+           AND pg_try_advisory_xact_lock(1768187248, hashtext(claim.source)) THEN
+            PERFORM idem.claim_settings_refresh(claim.source);
+        END IF;
     END IF;
     v_now := idem.clock();
     IF NOT FOUND OR s.adopting
