@@ -51,7 +51,16 @@ func (l *Lock) Acquire(ctx context.Context) (Holder, error) {
 	if l.ttl > 0 {
 		ttl = new(l.ttl.Milliseconds())
 	}
-	row, err := l.q.TryLock(ctx, pgxdb.TryLockParams{Name: l.name, Holder: l.holder, TtlMs: ttl})
+	// Not cancelled with ctx (SIGTERM): on cancellation pgx stops reading
+	// the answer and sends the server a cancel request from a goroutine of
+	// its own, which lands too late when the try has already committed (or
+	// never, when the process exits first); the lock is then taken by a
+	// holder that never learns it and never releases it, and every run is
+	// skipped for the whole lease (the year bench section met it: a
+	// SIGTERMed prune's lock held past the next scheduled runs). The try
+	// is short (idem.try_lock waits at most 2 s for the row); the caller
+	// sees ctx cancelled right after it and releases what it took.
+	row, err := l.q.TryLock(context.WithoutCancel(ctx), pgxdb.TryLockParams{Name: l.name, Holder: l.holder, TtlMs: ttl})
 	if err != nil {
 		return Holder{}, fmt.Errorf("take the %s lock: %w", l.name, err)
 	}
