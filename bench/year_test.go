@@ -10,10 +10,10 @@ import (
 )
 
 // TestYearSmall runs the year section at a tiny size: 2,000 keys over 365
-// simulated days, ten per tick, one maintenance run in six killed
+// simulated days, two weeks per tick, one maintenance run in six killed
 // (SIGTERM or SIGKILL), the database restarted once during maintenance,
-// the schema upgraded from the previous version a month in (no maintenance
-// before it: building the previous idemctl takes too long for a test), and
+// the schema upgraded from the previous version a month in (maintained
+// until then by pg_cron's CALLs through psql, killed alike), and
 // the ttl of one source cut mid-year. It fails on any correctness
 // violation the section checks (a key's work run twice within its ttl, a
 // failed or expired key not run again, a table or lock a killed run left
@@ -22,7 +22,7 @@ import (
 func TestYearSmall(t *testing.T) {
 	t.Chdir("..") // idemctl is built from the repository root
 	var log strings.Builder
-	c := yearConfig{keys: 2000, days: 365, daysPerTick: 10, killProb: 1.0 / 6, previous: "-",
+	c := yearConfig{keys: 2000, days: 365, daysPerTick: 14, killProb: 1.0 / 6,
 		migrateDay: 30, restartDay: 240, readsEvery: 60, seed: 56, log: &log}
 	c.defaults(false)
 	rep, err := runYear(context.Background(), c)
