@@ -227,9 +227,11 @@ func (y *year) violate(format string, a ...any) {
 	r := y.rep
 	r.totalViolations++
 	y.month.violations++
+	v := y.month.label + ": " + fmt.Sprintf(format, a...)
 	if len(r.violations) < 20 {
-		r.violations = append(r.violations, y.month.label+": "+fmt.Sprintf(format, a...))
+		r.violations = append(r.violations, v)
 	}
+	fmt.Fprintf(y.c.log, "bench: year: VIOLATION %s\n", v)
 }
 
 // event notes what happened in the month.
@@ -268,6 +270,11 @@ type year struct {
 	// It is done then, not at the kill: the server may still be carrying
 	// out a try_lock the killed process sent.
 	killedPIDs map[int]syscall.Signal
+	// killedPSQL: a psql CALL was killed. Its backend carries the
+	// procedure on until it next writes to the client, then exits with the
+	// lock it took held for its lease; that lease too is ended before the
+	// next scheduled runs, once its backend is gone.
+	killedPSQL bool
 	dupWAL     float64 // WAL bytes a duplicate claim writes, measured each month
 }
 
@@ -718,10 +725,18 @@ func (y *year) maintenance(ctx context.Context, restart bool) (killed bool, err 
 			pids = append(pids, strconv.Itoa(pid))
 		}
 	}
+	psqlKilled := y.killedPSQL
 	y.mu.Unlock()
 	if len(pids) > 0 {
 		if _, err := y.pool.Exec(ctx, `UPDATE idem.maintenance_locks SET expires_at = clock_timestamp()
-			WHERE expires_at > clock_timestamp() AND substring(holder from ':(\d+):[0-9a-f]+$') = ANY($1)`, pids); err != nil {
+			WHERE expires_at > clock_timestamp() AND holder LIKE 'idemctl@%' AND substring(holder from ':(\d+):[0-9a-f]+$') = ANY($1)`, pids); err != nil {
+			return false, err
+		}
+	}
+	if psqlKilled {
+		if _, err := y.pool.Exec(ctx, `UPDATE idem.maintenance_locks SET expires_at = clock_timestamp()
+			WHERE expires_at > clock_timestamp() AND holder LIKE 'sql:%'
+			  AND substring(holder from '^sql:(\d+):')::int NOT IN (SELECT pid FROM pg_stat_activity)`); err != nil {
 			return false, err
 		}
 	}
@@ -828,6 +843,9 @@ func (y *year) runJob(ctx context.Context, host int, job string) (killed bool, e
 		y.mu.Unlock()
 		y.mu.Lock()
 		y.killedPIDs[cmd.Process.Pid] = sig
+		if filepath.Base(cmd.Path) == "psql" {
+			y.killedPSQL = true
+		}
 		y.mu.Unlock()
 		return true, nil
 	}
