@@ -62,6 +62,8 @@ func main() {
 	flag.StringVar(&yearPrevious, "year-previous-idemctl", "", "the year section: the idemctl of the previous schema version, which maintains the database until the mid-year upgrade (default: built from git; \"-\": no maintenance before the upgrade)")
 	flag.Float64Var(&yearKillProb, "year-kill-prob", yearKillProb, "the year section: the chance that a maintenance run is killed (SIGTERM or SIGKILL) at a random moment")
 	flag.Uint64Var(&yearSeed, "year-seed", 0, "the year section's random seed (default: the time)")
+	flag.Float64Var(&yearRate, "year-rate", 0, "the year section: claims a second per client (8 clients; default 400, full 2000)")
+	flag.IntVar(&yearDaysPerTick, "year-days-per-tick", 1, "the year section: simulated days per tick (each tick runs prune and rotate once from each host)")
 	flag.Int64Var(&upgradeFrom, "upgrade-from", upgradeFrom, "the upgrade section's starting version")
 	flag.IntVar(&upgradeKeys, "upgrade-keys", 0, "the upgrade section's stored keys (default 200000, full 2000000)")
 	flag.IntVar(&upgradeClients, "upgrade-clients", upgradeClients, "the upgrade section's claiming clients")

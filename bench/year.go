@@ -101,12 +101,14 @@ type yearConfig struct {
 
 // Flags of the year section.
 var (
-	yearKeys     int
-	yearDays     = 365
-	yearPrevious string
-	yearKillProb = 0.08
-	yearSeed     uint64
-	yearTable    string // the section's markdown, for the report
+	yearKeys        int
+	yearDays        = 365
+	yearPrevious    string
+	yearKillProb    = 0.08
+	yearSeed        uint64
+	yearRate        float64
+	yearDaysPerTick = 1
+	yearTable       string // the section's markdown, for the report
 )
 
 func (c *yearConfig) defaults(full bool) {
@@ -159,6 +161,7 @@ func (c *yearConfig) defaults(full bool) {
 
 func benchYear(ctx context.Context, e *env, o options, t *table) error {
 	c := yearConfig{keys: yearKeys, days: yearDays, killProb: yearKillProb, previous: yearPrevious, seed: yearSeed,
+		rate: yearRate, daysPerTick: yearDaysPerTick,
 		migrateDay: yearDays / 2, restartDay: yearDays * 2 / 3}
 	c.defaults(o.full)
 	rep, err := runYear(ctx, c)
