@@ -56,7 +56,14 @@ func main() {
 	flag.IntVar(&o.rounds, "rounds", 0, "interleaved rounds per comparison (default 3, full 5)")
 	flag.DurationVar(&o.duration, "duration", 0, "length of one side of one round (default 2s, full 5s)")
 	flag.StringVar(&o.out, "out", "bench/results.md", "write the markdown table here too")
-	flag.StringVar(&o.only, "only", "", "run only the sections whose name contains this (claim, dup, complete, lib, maint, retention, scale, inbox, wait, cache, otel, adopt, plans, dashboard, e2e, batch; ceiling, profile and upgrade run only when named)")
+	flag.StringVar(&o.only, "only", "", "run only the sections whose name contains this (claim, dup, complete, lib, maint, retention, scale, inbox, wait, cache, otel, adopt, plans, dashboard, e2e, batch; ceiling, profile, upgrade and year run only when named)")
+	flag.IntVar(&yearKeys, "year-keys", 0, "the year section's new keys over the year (default 150000, full 100000000)")
+	flag.IntVar(&yearDays, "year-days", yearDays, "the year section's simulated days")
+	flag.StringVar(&yearPrevious, "year-previous-idemctl", "", "the year section: the idemctl of the previous schema version, which maintains the database until the mid-year upgrade (default: built from git; \"-\": no maintenance before the upgrade)")
+	flag.Float64Var(&yearKillProb, "year-kill-prob", yearKillProb, "the year section: the chance that a maintenance run is killed (SIGTERM or SIGKILL) at a random moment")
+	flag.Uint64Var(&yearSeed, "year-seed", 0, "the year section's random seed (default: the time)")
+	flag.Float64Var(&yearRate, "year-rate", 0, "the year section: claims a second per client (8 clients; default 400, full 2000)")
+	flag.IntVar(&yearDaysPerTick, "year-days-per-tick", 1, "the year section: simulated days per tick (each tick runs prune and rotate once from each host)")
 	flag.Int64Var(&upgradeFrom, "upgrade-from", upgradeFrom, "the upgrade section's starting version")
 	flag.IntVar(&upgradeKeys, "upgrade-keys", 0, "the upgrade section's stored keys (default 200000, full 2000000)")
 	flag.IntVar(&upgradeClients, "upgrade-clients", upgradeClients, "the upgrade section's claiming clients")
@@ -210,15 +217,16 @@ func run(ctx context.Context, o options) error {
 		{"dashboard", benchDashboard},
 		{"e2e", func(ctx context.Context, e *env, o options, _ *table) error { return benchE2E(ctx, e, o, e2e) }},
 		{"batch", func(ctx context.Context, e *env, o options, _ *table) error { return benchBatch(ctx, e, o, batch) }},
-		// Opt-in: -only ceiling, -only profile, -only upgrade.
+		// Opt-in: -only ceiling, -only profile, -only upgrade, -only year.
 		{"ceiling", func(ctx context.Context, e *env, o options, _ *table) error {
 			return benchCeiling(ctx, e, o, ceiling, floor)
 		}},
 		{"profile", func(ctx context.Context, e *env, o options, _ *table) error { return benchProfile(ctx, e, o, profile) }},
 		{"upgrade", benchUpgrade},
+		{"year", benchYear},
 	}
 	for _, s := range sections {
-		if (o.only != "" && !strings.Contains(s.name, o.only)) || (o.only == "" && (s.name == "ceiling" || s.name == "profile" || s.name == "upgrade")) {
+		if (o.only != "" && !strings.Contains(s.name, o.only)) || (o.only == "" && (s.name == "ceiling" || s.name == "profile" || s.name == "upgrade" || s.name == "year")) {
 			continue
 		}
 		fmt.Fprintf(os.Stderr, "bench: %s...\n", s.name)
@@ -245,6 +253,9 @@ func run(ctx context.Context, o options) error {
 	w.WriteString(profile.String())
 	if len(waitNotes) > 0 {
 		fmt.Fprintf(&w, "## What the statements wait on (pg_stat_activity sampled every 5 ms; CPU: no wait event)\n\n%s\n\n", strings.Join(waitNotes, "\n"))
+	}
+	if yearTable != "" {
+		fmt.Fprintf(&w, "## A year in an hour\n\n%s", yearTable)
 	}
 	fmt.Fprintf(&w, "## The rest (settings above)\n\n")
 	t.write(&w)

@@ -9,10 +9,14 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
+	"strings"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemkit/idem/db/pgxdb"
 )
@@ -30,6 +34,9 @@ type Lock struct {
 	name   string
 	holder string
 	ttl    time.Duration
+	// until is the lease's end as last taken or renewed (the database's
+	// clock): how long Release keeps trying when the database is away.
+	until time.Time
 }
 
 // New returns a lock handle; nothing is taken until Acquire. A ttl of 0
@@ -44,9 +51,21 @@ func (l *Lock) Acquire(ctx context.Context) (Holder, error) {
 	if l.ttl > 0 {
 		ttl = new(l.ttl.Milliseconds())
 	}
-	row, err := l.q.TryLock(ctx, pgxdb.TryLockParams{Name: l.name, Holder: l.holder, TtlMs: ttl})
+	// Not cancelled with ctx (SIGTERM): on cancellation pgx stops reading
+	// the answer and sends the server a cancel request from a goroutine of
+	// its own, which lands too late when the try has already committed (or
+	// never, when the process exits first); the lock is then taken by a
+	// holder that never learns it and never releases it, and every run is
+	// skipped for the whole lease (the year bench section met it: a
+	// SIGTERMed prune's lock held past the next scheduled runs). The try
+	// is short (idem.try_lock waits at most 2 s for the row); the caller
+	// sees ctx cancelled right after it and releases what it took.
+	row, err := l.q.TryLock(context.WithoutCancel(ctx), pgxdb.TryLockParams{Name: l.name, Holder: l.holder, TtlMs: ttl})
 	if err != nil {
 		return Holder{}, fmt.Errorf("take the %s lock: %w", l.name, err)
+	}
+	if row.Acquired {
+		l.until = row.ExpiresAt.Time
 	}
 	return Holder{Acquired: row.Acquired, Holder: row.Holder, ExpiresAt: row.ExpiresAt.Time}, nil
 }
@@ -64,13 +83,66 @@ func (l *Lock) Take(ctx context.Context, log *slog.Logger) (Holder, error) {
 
 // Release gives the lock up. It runs even when ctx is cancelled (SIGTERM):
 // a lock left behind would make the next run wait for its lease to end.
+//
+// When the database cannot be reached (it restarted, or is restarting,
+// under the run: the step in flight failed with the connection), Release
+// keeps trying, with backoff, until the database answers or the lease has
+// ended by itself, so that the lock is free as soon as the database is
+// back rather than for the rest of its lease (10 minutes for rotate).
+// ctx cancelled (SIGTERM) stops the retries after the first try.
 func (l *Lock) Release(ctx context.Context, log *slog.Logger) {
-	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-	defer cancel()
-	if _, err := l.q.ReleaseLock(rctx, pgxdb.ReleaseLockParams{Name: l.name, Holder: l.holder}); err != nil {
-		log.LogAttrs(ctx, slog.LevelWarn, "could not release the lock; it ends with its lease",
-			slog.String("lock", l.name), slog.Any("error", err))
+	wait := releaseBackoff
+	for try := 0; ; try++ {
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		_, err := l.q.ReleaseLock(rctx, pgxdb.ReleaseLockParams{Name: l.name, Holder: l.holder})
+		cancel()
+		if err == nil {
+			if try > 0 {
+				log.LogAttrs(ctx, slog.LevelInfo, "released the lock once the database answered again",
+					slog.String("lock", l.name), slog.Int("tries", try+1))
+			}
+			return
+		}
+		if !Unreachable(err) || ctx.Err() != nil || !time.Now().Add(wait).Before(l.until) {
+			log.LogAttrs(ctx, slog.LevelWarn, "could not release the lock; it ends with its lease",
+				slog.String("lock", l.name), slog.Time("until", l.until), slog.Any("error", err))
+			return
+		}
+		if try == 0 {
+			log.LogAttrs(ctx, slog.LevelWarn, "the database is unreachable; retrying to release the lock until its lease ends",
+				slog.String("lock", l.name), slog.Time("until", l.until), slog.Any("error", err))
+		}
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+		case <-t.C:
+		}
+		t.Stop()
+		wait = min(2*wait, releaseMaxBackoff)
 	}
+}
+
+// Release's pause between tries while the database is unreachable.
+const (
+	releaseBackoff    = 100 * time.Millisecond
+	releaseMaxBackoff = 2 * time.Second
+)
+
+// Unreachable says whether err means the database did not answer the
+// statement at all (it is down, restarting, or dropped the connection),
+// rather than answering it with an error: the former is worth trying
+// again on a new connection, the latter is not.
+func Unreachable(err error) bool {
+	if err == nil {
+		return false
+	}
+	var pg *pgconn.PgError
+	if !errors.As(err, &pg) {
+		return !errors.Is(err, context.Canceled)
+	}
+	// Class 08: connection exception; 57P01-57P03: the server is shutting
+	// down, crashed, or not yet accepting connections.
+	return strings.HasPrefix(pg.Code, "08") || pg.Code == "57P01" || pg.Code == "57P02" || pg.Code == "57P03"
 }
 
 // NewHolderID names this process in the lock table: host, pid and a
