@@ -130,7 +130,13 @@ func (c *Client) claimBatch(ctx context.Context, source string, items []BatchIte
 	}
 	q := a
 	q.items = ask
-	cls, err := c.d.claimBatch(ctx, q)
+	var cls []*Claim
+	var err error
+	if c.schema != nil && c.schema.citus.Load() {
+		cls, err = c.d.claimBatchCitus(ctx, q)
+	} else {
+		cls, err = c.d.claimBatch(ctx, q)
+	}
 	if err != nil {
 		err = convert("claim", source, "", err)
 		c.forgetSchema(err)

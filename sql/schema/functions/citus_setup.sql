@@ -73,7 +73,7 @@ BEGIN
     FOR v_fn IN SELECT p.oid::regprocedure FROM pg_proc p
                  WHERE p.pronamespace = 'idem'::regnamespace AND p.prokind = 'f'
                  ORDER BY p.oid LOOP
-        IF v_fn::text ~ '^idem\.(claim|complete|complete_stored|complete_unstored|fail|extend|peek)\(' THEN
+        IF v_fn::text ~ '^idem\.(claim|complete|complete_stored|complete_unstored|fail|extend|peek|citus_claim_batch)\(' THEN
             EXECUTE format('ALTER FUNCTION %s SET plan_cache_mode = force_custom_plan', v_fn);
             IF v_fn::text ~ '^idem\.claim\(' THEN
                 EXECUTE format('ALTER FUNCTION %s SET idem.citus = on', v_fn);
@@ -88,5 +88,8 @@ BEGIN
             PERFORM create_distributed_function(v_fn);
         END IF;
     END LOOP;
+    -- (version 29) The claim's copy on each shard, made again when the
+    -- claim changed.
+    RETURN QUERY SELECT s FROM idem.citus_shard_claims() s;
 END
 $function$;
