@@ -132,7 +132,7 @@ func (c *Client) claimBatch(ctx context.Context, source string, items []BatchIte
 	q.items = ask
 	var cls []*Claim
 	var err error
-	if c.schema != nil && c.schema.citus.Load() {
+	if c.citus() {
 		cls, err = c.d.claimBatchCitus(ctx, q)
 	} else {
 		cls, err = c.d.claimBatch(ctx, q)
@@ -219,7 +219,11 @@ func (c *Client) completeBatch(ctx context.Context, source string, items []Compl
 	}
 	var outs, stored []string
 	err := c.d.guard(ctx, risky, func() (err error) {
-		outs, stored, err = c.d.completeBatch(ctx, source, items)
+		if c.citus() {
+			outs, stored, err = completeEachCitus(ctx, c.d, source, items)
+		} else {
+			outs, stored, err = c.d.completeBatch(ctx, source, items)
+		}
 		return err
 	})
 	if err != nil {
@@ -267,7 +271,13 @@ func (c *Client) FailBatch(ctx context.Context, source string, items []Failure) 
 			return nil, e
 		}
 	}
-	outs, err := c.d.failBatch(ctx, source, items)
+	var outs []string
+	var err error
+	if c.citus() {
+		outs, err = failEachCitus(ctx, c.d, source, items)
+	} else {
+		outs, err = c.d.failBatch(ctx, source, items)
+	}
 	if err != nil {
 		err = convert("fail", source, "", err)
 		c.forgetSchema(err)

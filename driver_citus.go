@@ -250,3 +250,36 @@ func (d sqlDriver) distributed(ctx context.Context) (bool, error) {
 	}
 	return sqlRetry(d, func() (bool, error) { return d.q.Distributed(ctx) })
 }
+
+// completeEachCitus and failEachCitus are CompleteBatch's and FailBatch's
+// calls on Citus, where idem.complete_batch and idem.fail_batch cannot be
+// planned (their items join the distributed table: "could not create
+// distributed plan"): each item by its own call (idem.complete_stored,
+// idem.fail), which Citus delegates to its key's node; in the caller's
+// transaction, if any, else each on its own.
+func completeEachCitus(ctx context.Context, d driver, source string, items []Completion) (outs, stored []string, err error) {
+	outs, stored = make([]string, len(items)), make([]string, len(items))
+	for i, it := range items {
+		o, st, err := d.complete(ctx, source, it.Key, it.Token, it.Result, true)
+		if err != nil {
+			return nil, nil, err
+		}
+		outs[i], stored[i] = o, string(st)
+	}
+	return outs, stored, nil
+}
+
+func failEachCitus(ctx context.Context, d driver, source string, items []Failure) ([]string, error) {
+	outs := make([]string, len(items))
+	for i, it := range items {
+		o, err := d.fail(ctx, source, it.Key, it.Token, it.Message, it.Retryable)
+		if err != nil {
+			return nil, err
+		}
+		outs[i] = o
+	}
+	return outs, nil
+}
+
+// citus reports whether idem is distributed (Citus), as batchReady found.
+func (c *Client) citus() bool { return c.schema != nil && c.schema.citus.Load() }

@@ -704,6 +704,35 @@ func TestCitusBatch(t *testing.T) {
 		}
 	}
 
+	// DoBatch: the work runs once for each key; its results recorded.
+	dks := keys("db", 30)
+	runs := 0
+	work := func(_ context.Context, acquired []*idem.Claim) ([]idem.WorkResult, error) {
+		out := make([]idem.WorkResult, len(acquired))
+		for i, cl := range acquired {
+			runs++
+			out[i] = idem.WorkResult{Value: cl.Key}
+			if cl.Key == dks[0] && runs == 1 {
+				out[i] = idem.WorkResult{Err: errors.New("transient")} // released for a retry
+			}
+		}
+		return out, nil
+	}
+	for round := range 2 {
+		res, err := c.DoBatch(ctx, "c", items(dks), work)
+		if err != nil {
+			t.Fatalf("DoBatch round %d on Citus: %v", round, err)
+		}
+		for i, r := range res {
+			if r.Err != nil && (round == 1 || i > 0) && !errors.Is(r.Err, idem.ErrInProgress) {
+				t.Fatalf("DoBatch round %d item %d: %v", round, i, r.Err)
+			}
+		}
+	}
+	if runs != 31 { // 30 keys, and the released one again
+		t.Fatalf("DoBatch ran the work %d times, want 31", runs)
+	}
+
 	twice, err := c.ClaimBatch(ctx, "c", items([]string{"dup", "other", "dup"}), idem.WithLockWait(0))
 	if err != nil || twice[0].Outcome != idem.Acquired || twice[1].Outcome != idem.Acquired || twice[2].Outcome != idem.InProgress {
 		t.Fatalf("a key twice in a batch: %v %v", twice, err)
