@@ -30,21 +30,27 @@ node_ticks() {
   echo $t
 }
 
-# run db clients script label: one pgbench run, its rate and CPU ms per call by node.
-run() {
-  local db=$1 c=$2 f=$3 label=$4 a0 a1 a2 b0 b1 b2 out n tps hz
+# measure db label calls... : runs the rest of the line, which prints its count of calls
+# (pgbench's transactions, or citusbatch's keys), and prints the rate and the CPU ms per
+# call (a key) by node.
+measure() {
+  local db=$1 label=$2 a0 a1 a2 b0 b1 b2 out n rate hz
+  shift 2
   hz=$(getconf CLK_TCK)
   a0=$(node_ticks 9700); a1=$(node_ticks 9701); a2=$(node_ticks 9702)
-  out=$(pgbench -n -M prepared -f "$f" -c "$c" -j 2 -T "$T" -h 127.0.0.1 -p 9700 -U postgres "$db" 2>&1)
+  out=$("$@" 2>&1) || { echo "$out" >&2; return 1; }
   b0=$(node_ticks 9700); b1=$(node_ticks 9701); b2=$(node_ticks 9702)
-  n=$(echo "$out" | awk '/number of transactions actually processed/ {print $NF}' | cut -d/ -f1)
-  tps=$(echo "$out" | awk '/^tps/ {print int($3)}')
+  n=$(echo "$out" | awk '/number of transactions actually processed/ {split($NF, a, "/"); print a[1]} /^keys=/ {split($1, a, "="); print a[2]}')
+  rate=$(echo "$out" | awk '/^tps/ {print int($3)} /^keys=/ {split($2, a, "="); print a[2]}')
   if [ -z "$n" ] || [ "$n" = 0 ]; then echo "$out" >&2; return 1; fi
-  printf '%s %-11s %-6s clients=%-3s calls/s=%-6s cpu ms/call: coordinator %.3f  worker1 %.3f  worker2 %.3f  total %.3f\n' \
-    "$round" "$db" "$label" "$c" "$tps" \
+  printf '%s %-11s %-16s keys/s=%-6s cpu ms/key: coordinator %.3f  worker1 %.3f  worker2 %.3f  total %.3f\n' \
+    "$round" "$db" "$label" "$rate" \
     "$(echo "($b0-$a0)*1000/$hz/$n" | bc -l)" "$(echo "($b1-$a1)*1000/$hz/$n" | bc -l)" \
     "$(echo "($b2-$a2)*1000/$hz/$n" | bc -l)" "$(echo "($b0-$a0+$b1-$a1+$b2-$a2)*1000/$hz/$n" | bc -l)"
 }
+pgb() { pgbench -n -M prepared -f bench/pgbench/claim_new_param.sql -c "$2" -j 2 -T "$T" -h 127.0.0.1 -p 9700 -U postgres "$1"; }
+(cd bench && go build -o /tmp/idem-citusbatch ./citusbatch)
+gob() { /tmp/idem-citusbatch -database-url "postgres://postgres@127.0.0.1:9700/$1" -batch "$2" -clients 8 -duration "${T}s"; }
 
 $P -p 9700 -d postgres -c "DROP DATABASE IF EXISTS idem_single WITH (FORCE)" -c "CREATE DATABASE idem_single" 2>/dev/null
 go run ./cmd/idemctl migrate up --river=false --database-url postgres://postgres@127.0.0.1:9700/idem_single >/dev/null 2>&1
@@ -61,10 +67,9 @@ done
 for round in $(seq 1 "$ROUNDS"); do
   for db in idem_single idem_w1 idem_w2; do
     for c in 8 32; do
-      run $db $c bench/pgbench/claim_new_param.sql claim
+      measure $db "claim c=$c" pgb $db $c
     done
-  done
-  for db in idem_single idem_w2; do
-    run $db 8 bench/pgbench/claim_batch_new.sql batch100 2>/dev/null || echo "$round $db batch100: refused (see docs/citus.md)"
+    measure $db "Claim (Go) c=8" gob $db 1
+    measure $db "ClaimBatch 100" gob $db 100
   done
 done

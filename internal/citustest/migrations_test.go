@@ -83,9 +83,9 @@ func loginRole(t *testing.T, admin *pgxpool.Pool, role, grant string) *pgxpool.P
 	return pool
 }
 
-// TestCitusLeastPrivilege (migrations 12, 14): the application's role
+// TestCitusLeastPrivilege (migrations 12, 14, 29): the application's role
 // (idem.grant_app) claims and completes through Do, delegated to the
-// workers, and may not prune; the maintainer's role (idem.grant_maintainer)
+// workers, claims a batch, and may not prune; the maintainer's role (idem.grant_maintainer)
 // prunes (the deletes run on the workers as that role) and rotates, its
 // maintenance lease the row in idem.maintenance_locks; no role holds both.
 func TestCitusLeastPrivilege(t *testing.T) {
@@ -107,6 +107,15 @@ func TestCitusLeastPrivilege(t *testing.T) {
 		if r, err := c.Do(ctx, "c", key, func(context.Context) (any, error) { return nil, errors.New("ran twice") }); err != nil || !r.Replayed {
 			t.Fatalf("the duplicate of %s: %+v %v", key, r, err)
 		}
+	}
+	// A batch as the application's role (migration 29's functions are the
+	// application's: idem.rights).
+	batch := make([]idem.BatchItem, 10)
+	for i := range batch {
+		batch[i] = idem.BatchItem{Key: fmt.Sprintf("lp-batch%d", i)}
+	}
+	if cls, err := c.ClaimBatch(ctx, "c", batch); err != nil || cls[0].Outcome != idem.Acquired {
+		t.Fatalf("ClaimBatch as the application's role: %v %v", cls, err)
 	}
 	if _, err := prune.Run(ctx, app, prune.Config{}); codeOf(err) != "42501" {
 		t.Fatalf("prune as the application's role: %v, want SQLSTATE 42501", err)

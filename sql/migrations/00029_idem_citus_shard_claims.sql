@@ -27,8 +27,22 @@
 --   copy, or a shard without one) goes on as before, through Citus.
 --   Nothing changes on a single node but one plpgsql variable.
 --
+-- * idem.claim_batch on Citus (refused with ID006 since migration 18):
+--   idem.citus_batch_routes(keys) groups a batch's positions by the node
+--   holding their keys, with one key of each group; idem.citus_claim_batch
+--   (key, source, keys, ...), delegated by key like the claim, claims a
+--   group on its node: each shard's keys by the shard's copy of
+--   idem.claim_batch (made by citus_shard_claims too, its ID006 refusal
+--   off), shard after shard in the order of their ids, so every batch on a
+--   node locks in the order (shard, lock hash, key); a shard without a
+--   copy key by key through idem.claim, in lock order. One deadline
+--   (lock_wait) for the group. The application may execute both
+--   (idem.rights). The Go client calls them (driver_citus.go).
+-- * idem.citus_setup, version 29: delegates idem.citus_claim_batch by key,
+--   and ends with idem.citus_shard_claims().
+--
 -- Down restores claim version 21, citus_setup version 11, and drops the
--- copies and the two functions.
+-- copies and the four functions.
 
 -- +goose Up
 
