@@ -26,19 +26,20 @@ func main() {
 	url := flag.String("database-url", "", "the database (a Citus coordinator's, or a single PostgreSQL)")
 	batch := flag.Int("batch", 100, "keys per ClaimBatch call; 1: Claim, one key a call")
 	clients := flag.Int("clients", 8, "concurrent clients")
-	duration := flag.Duration("duration", 10*time.Second, "how long to claim")
+	duration := flag.Duration("duration", 10*time.Second, "how long to claim, and count, after the warm-up")
+	warmup := flag.Duration("warmup", 0, "claim this long first without counting (the servers' plan caches fill)")
 	flag.Parse()
 	if *url == "" || *batch < 1 || *batch > idem.MaxBatch || *clients < 1 {
 		fmt.Fprintln(os.Stderr, "citusbatch: -database-url is required; -batch 1 to 1000; -clients at least 1")
 		os.Exit(2)
 	}
-	if err := run(*url, *batch, *clients, *duration); err != nil {
+	if err := run(*url, *batch, *clients, *warmup, *duration); err != nil {
 		fmt.Fprintln(os.Stderr, "citusbatch:", err)
 		os.Exit(1)
 	}
 }
 
-func run(url string, batch, clients int, duration time.Duration) error {
+func run(url string, batch, clients int, warmup, duration time.Duration) error {
 	ctx := context.Background()
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
@@ -59,7 +60,8 @@ func run(url string, batch, clients int, duration time.Duration) error {
 	var first error
 	var once sync.Once
 	var wg sync.WaitGroup
-	stop := time.Now().Add(duration)
+	start := time.Now().Add(warmup)
+	stop := start.Add(duration)
 	for g := range clients {
 		wg.Add(1)
 		go func() {
@@ -90,7 +92,9 @@ func run(url string, batch, clients int, duration time.Duration) error {
 					once.Do(func() { first = err })
 					return
 				}
-				claimed.Add(int64(batch))
+				if time.Now().After(start) {
+					claimed.Add(int64(batch))
+				}
 			}
 		}()
 	}
