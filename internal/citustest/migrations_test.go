@@ -376,6 +376,29 @@ func TestCitusSampledCounting(t *testing.T) {
 	if err := pool.SendBatch(ctx, b).Close(); err != nil {
 		t.Fatal(err)
 	}
+	// A redelivered batch above the rate samples its duplicates on the
+	// workers too (the shards' copies of claim_batch run as on Citus: a
+	// copy that took the single node's path failed with "relation
+	// idem.sampling_key_a does not exist").
+	c, err := idem.New(pool, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	redelivered := []idem.BatchItem{}
+	for _, key := range hot {
+		redelivered = append(redelivered, idem.BatchItem{Key: key})
+	}
+	for range 10 {
+		cls, err := c.ClaimBatch(ctx, "loud", redelivered)
+		if err != nil {
+			t.Fatalf("a redelivered batch above the exact-counting rate: %v", err)
+		}
+		for _, cl := range cls {
+			if cl.Outcome != idem.Completed {
+				t.Fatalf("a redelivered key: %s", cl.Outcome)
+			}
+		}
+	}
 	if _, err := prune.Run(ctx, pool, prune.Config{}); err != nil {
 		t.Fatal(err)
 	}

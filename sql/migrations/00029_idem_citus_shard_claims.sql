@@ -135,6 +135,9 @@ BEGIN
             -- callable by idem's functions (their owner) only: a copy
             -- writes the shard without asking whose key it is.
             EXECUTE format('ALTER FUNCTION %s SET plan_cache_mode = force_generic_plan', v_fn);
+            -- On Citus (idem.claim_weight: the secret that signs its
+            -- sampled minute is not on the workers).
+            EXECUTE format('ALTER FUNCTION %s SET idem.citus = on', v_fn);
             EXECUTE format('REVOKE ALL ON FUNCTION %s FROM PUBLIC', v_fn);
             EXECUTE format('COMMENT ON FUNCTION %s IS %L', v_fn, 'idem: ' || v_name || ' ' || v_sum);
             v_made := v_made + 1;
