@@ -130,7 +130,13 @@ func (c *Client) claimBatch(ctx context.Context, source string, items []BatchIte
 	}
 	q := a
 	q.items = ask
-	cls, err := c.d.claimBatch(ctx, q)
+	var cls []*Claim
+	var err error
+	if c.citus() {
+		cls, err = c.d.claimBatchCitus(ctx, q)
+	} else {
+		cls, err = c.d.claimBatch(ctx, q)
+	}
 	if err != nil {
 		err = convert("claim", source, "", err)
 		c.forgetSchema(err)
@@ -213,7 +219,11 @@ func (c *Client) completeBatch(ctx context.Context, source string, items []Compl
 	}
 	var outs, stored []string
 	err := c.d.guard(ctx, risky, func() (err error) {
-		outs, stored, err = c.d.completeBatch(ctx, source, items)
+		if c.citus() {
+			outs, stored, err = completeEachCitus(ctx, c.d, source, items)
+		} else {
+			outs, stored, err = c.d.completeBatch(ctx, source, items)
+		}
 		return err
 	})
 	if err != nil {
@@ -261,7 +271,13 @@ func (c *Client) FailBatch(ctx context.Context, source string, items []Failure) 
 			return nil, e
 		}
 	}
-	outs, err := c.d.failBatch(ctx, source, items)
+	var outs []string
+	var err error
+	if c.citus() {
+		outs, err = failEachCitus(ctx, c.d, source, items)
+	} else {
+		outs, err = c.d.failBatch(ctx, source, items)
+	}
 	if err != nil {
 		err = convert("fail", source, "", err)
 		c.forgetSchema(err)

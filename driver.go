@@ -65,6 +65,10 @@ type driver interface {
 	// (driver_batch.go): one answer per item, in the items' order, or nil
 	// when the function answered some item twice or not at all.
 	claimBatch(ctx context.Context, a batchArgs) ([]*Claim, error)
+	// claimBatchCitus is claimBatch on a distributed (Citus) installation
+	// (driver_citus.go); distributed says whether idem is one.
+	claimBatchCitus(ctx context.Context, a batchArgs) ([]*Claim, error)
+	distributed(ctx context.Context) (bool, error)
 	completeBatch(ctx context.Context, source string, items []Completion) (outcomes, stored []string, err error)
 	failBatch(ctx context.Context, source string, items []Failure) ([]string, error)
 	// peek reads the key's status and remaining lease (status "" when

@@ -38,7 +38,12 @@ var batchFunctions = strings.Join([]string{
 // schemaState remembers that the schema had every required function; it is
 // shared by a client and those WithTx derives, and forgotten when a call
 // finds a function missing, so the next claim checks again.
-type schemaState struct{ ok, batchOK atomic.Bool }
+type schemaState struct {
+	ok, batchOK atomic.Bool
+	// citus: idem is distributed (Citus), asked with the batch functions:
+	// a batch is claimed by node (driver_citus.go).
+	citus atomic.Bool
+}
 
 // ready checks, once per client until a function goes missing, that the
 // schema has every function the client calls.
@@ -72,6 +77,11 @@ func (c *Client) batchReady(ctx context.Context, source string) error {
 		return &Error{Op: "claim", Source: source, Kind: ErrNotMigrated,
 			Err: fmt.Errorf("schema idem lacks %s (migration 18): migrate it up (idemctl migrate up) before this code claims in batches", missing)}
 	}
+	d, err := c.d.distributed(ctx)
+	if err != nil {
+		return convert("claim", source, "", err)
+	}
+	c.schema.citus.Store(d)
 	c.schema.batchOK.Store(true)
 	return nil
 }

@@ -1,26 +1,69 @@
 #!/bin/bash
-# Claims per second of new keys (pgbench, bench/pgbench/claim_new_param.sql) on one
-# PostgreSQL and on Citus with 1 and 2 workers: docs/citus.md. Needs a loopback Citus
-# cluster: a coordinator on 127.0.0.1:9700 and workers on 9701 and 9702 (user postgres).
+# Claims of new keys on one PostgreSQL and on Citus with 1 and 2 workers (docs/citus.md,
+# "Throughput by node count"): per installation, claims per second through pgbench
+# (bench/pgbench/claim_new_param.sql, -M prepared) and the CPU each node's servers spent
+# per claim (from /proc: Linux, and the cluster's servers on this machine), so that the
+# price of a delegated claim reads the same on a loaded machine as on a quiet one.
+# Needs the loopback cluster of bench/citus-cluster.sh (coordinator 127.0.0.1:9700,
+# workers 9701 and 9702, data under $CITUS_DIR, default /tmp/idem-citus).
+#
+#   bash bench/citus-cluster.sh start && bash bench/citus.sh [seconds] [rounds] [warm-up seconds]
 set -e
 cd "$(dirname "$0")/.."
+T=${1:-20}      # seconds measured
+ROUNDS=${2:-2}
+W=${3:-10}      # seconds of warm-up before each measurement
+DIR=${CITUS_DIR:-/tmp/idem-citus}
 P="psql -h 127.0.0.1 -U postgres -q"
-$P -p 9700 -c "DROP DATABASE IF EXISTS idem_single WITH (FORCE)" -c "CREATE DATABASE idem_single" 2>/dev/null
-go run ./cmd/idemctl migrate up --river=false --database-url postgres://postgres@127.0.0.1:9700/idem_single >/dev/null
-for p in 9700 9701; do
-  $P -p $p -c "DROP DATABASE IF EXISTS idem_w1 WITH (FORCE)" -c "CREATE DATABASE idem_w1" 2>/dev/null
-  $P -p $p -d idem_w1 -c "CREATE EXTENSION citus"
-done
-$P -p 9700 -d idem_w1 -c "SELECT citus_set_coordinator_host('127.0.0.1', 9700)" -c "SELECT citus_add_node('127.0.0.1', 9701)" >/dev/null
-go run ./cmd/idemctl migrate up --citus --river=false --database-url postgres://postgres@127.0.0.1:9700/idem_w1 >/dev/null
-for p in 9700 9701 9702; do $P -p $p -c "DROP DATABASE IF EXISTS idem_w2 WITH (FORCE)" -c "CREATE DATABASE idem_w2" 2>/dev/null; $P -p $p -d idem_w2 -c "CREATE EXTENSION citus"; done
-$P -p 9700 -d idem_w2 -c "SELECT citus_set_coordinator_host('127.0.0.1', 9700)" -c "SELECT citus_add_node('127.0.0.1', 9701)" -c "SELECT citus_add_node('127.0.0.1', 9702)" >/dev/null
-go run ./cmd/idemctl migrate up --citus --river=false --database-url postgres://postgres@127.0.0.1:9700/idem_w2 >/dev/null
-for round in 1 2; do
-for db in idem_single idem_w1 idem_w2; do
-  for c in 8 32; do
-    tps=$(pgbench -n -M prepared -f bench/pgbench/claim_new_param.sql -c $c -j 2 -T 10 -h 127.0.0.1 -p 9700 -U postgres $db 2>/dev/null | awk '/^tps/ {print int($3)}')
-    echo "$round $db clients=$c new-key claims/s=$tps"
+
+# node_ticks port: CPU ticks (user + system) of the server on port and its children,
+# those that exited included.
+node_ticks() {
+  local t=0 pm p s
+  pm=$(head -1 "$DIR/$1/postmaster.pid")
+  for p in $pm $(ps -o pid= --ppid "$pm"); do
+    s=$(cat /proc/$p/stat 2>/dev/null) || continue   # (a backend that just exited)
+    set -- ${s##*) }
+    t=$((t + ${12} + ${13}))
+    [ "$p" = "$pm" ] && t=$((t + ${14} + ${15}))
   done
-done
+  echo $t
+}
+
+# measure db label command...: runs the command (its first $W seconds warm the servers'
+# plan caches: a claim's copies on the shards are planned once per worker connection) and
+# prints the calls per second after the warm-up and the CPU each node spent per call (a key)
+# in that window. The command prints its count of calls after the warm-up: pgbench's
+# progress lines (-P 1), citusbatch's keys=.
+measure() {
+  local db=$1 label=$2 a0 a1 a2 b0 b1 b2 out n rate hz pid
+  shift 2
+  hz=$(getconf CLK_TCK)
+  "$@" > /tmp/idem-citus-bench.out 2>&1 &
+  pid=$!
+  sleep "$W"
+  a0=$(node_ticks 9700); a1=$(node_ticks 9701); a2=$(node_ticks 9702)
+  wait $pid || { cat /tmp/idem-citus-bench.out >&2; return 1; }
+  b0=$(node_ticks 9700); b1=$(node_ticks 9701); b2=$(node_ticks 9702)
+  out=$(cat /tmp/idem-citus-bench.out)
+  n=$(echo "$out" | awk -v w="$W" '/^progress:/ && $2 + 0 > w {s += $4} /^keys=/ {split($1, a, "="); s = a[2]} END {print int(s)}')
+  rate=$((n / T))
+  if [ -z "$n" ] || [ "$n" = 0 ]; then echo "$out" >&2; return 1; fi
+  printf '%s %-11s %-16s keys/s=%-6s cpu ms/key: coordinator %.3f  worker1 %.3f  worker2 %.3f  total %.3f\n' \
+    "$round" "$db" "$label" "$rate" \
+    "$(echo "($b0-$a0)*1000/$hz/$n" | bc -l)" "$(echo "($b1-$a1)*1000/$hz/$n" | bc -l)" \
+    "$(echo "($b2-$a2)*1000/$hz/$n" | bc -l)" "$(echo "($b0-$a0+$b1-$a1+$b2-$a2)*1000/$hz/$n" | bc -l)"
+}
+pgb() { pgbench -n -M prepared -P 1 -f bench/pgbench/claim_new_param.sql -c "$2" -j 2 -T $((W + T)) -h 127.0.0.1 -p 9700 -U postgres "$1"; }
+(cd bench && go build -o /tmp/idem-citusbatch ./citusbatch)
+gob() { /tmp/idem-citusbatch -database-url "postgres://postgres@127.0.0.1:9700/$1" -batch "$2" -clients 8 -warmup "${W}s" -duration "${T}s"; }
+
+for round in $(seq 1 "$ROUNDS"); do
+  for db in idem_single idem_w1 idem_w2; do
+    for c in 8 32; do
+      measure $db "claim c=$c" pgb $db $c
+    done
+    measure $db "Claim (Go) c=8" gob $db 1
+    measure $db "ClaimBatch 100" gob $db 100
+  done
 done

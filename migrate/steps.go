@@ -46,6 +46,8 @@ import (
 //     long, not for the whole of that transaction, so claims do not queue
 //     behind the step's lock request. The step then rolls back and
 //     Migrator retries it after a pause (Config.Retries times).
+//  4. Where Citus is installed, citus.multi_shard_modify_mode = sequential
+//     for the step (see prologue).
 
 // LockWait is how long a migration step (idem's or River's) waits for its
 // migration lock: another migrator's step, or a session of any role that
@@ -342,7 +344,14 @@ func guardedFS(lockTimeout time.Duration, probe bool) (fs.FS, map[onlineKey][]on
 }
 
 // prologue is the statements each step starts with (one per line, as
-// goose splits them).
+// goose splits them). Where Citus is installed, the step's DDL on
+// distributed tables runs one connection per node
+// (citus.multi_shard_modify_mode): Citus refuses a function's DDL after a
+// parallel operation on a distributed table in one transaction, and a step
+// that alters a distributed table and then delegates its functions again
+// (idem.citus_setup, migration 17 on an installation distributed at 13)
+// failed with "cannot run function command because there was a parallel
+// operation on a distributed table in the transaction".
 func prologue(version int64, up bool, lockTimeout time.Duration, probe bool) string {
 	cond, did := "", "applied"
 	if !up {
@@ -352,6 +361,7 @@ func prologue(version int64, up bool, lockTimeout time.Duration, probe bool) str
 %s
 DO $idem$ BEGIN IF %sEXISTS (SELECT FROM %s WHERE version_id = %d AND is_applied) THEN RAISE EXCEPTION 'idem migration %d was %s by another migrator' USING ERRCODE = '%s'; END IF; END $idem$;
 SELECT pg_catalog.set_config('lock_timeout', '%dms', true);
+SELECT pg_catalog.set_config('citus.multi_shard_modify_mode', 'sequential', true) WHERE pg_catalog.to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL;
 `, LockStatement(LockID), cond, TableName, version, version, did, stepDoneElsewhere, lockTimeout.Milliseconds())
 	if probe {
 		s += "SELECT pg_catalog.set_config('idem.probe_rows', (" + probeRows + "), true);\n"

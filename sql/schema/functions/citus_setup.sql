@@ -37,6 +37,14 @@ BEGIN
         DROP TRIGGER processed_events_done ON idem.processed_events;
         RETURN NEXT 'dropped trigger processed_events_done (waiting duplicates poll)';
     END IF;
+    -- (version 28) idem.claim_settings' triggers (migration 27): on Citus
+    -- idem.claim always takes idem.claim_general, which reads the tables.
+    FOR t IN SELECT unnest(ARRAY['policies', 'lookbacks', 'adoptions', 'holds']) LOOP
+        IF EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = ('idem.' || t)::regclass AND tgname = 'claim_settings_' || t) THEN
+            EXECUTE format('DROP TRIGGER %I ON idem.%I', 'claim_settings_' || t, t);
+            RETURN NEXT format('dropped trigger claim_settings_%s (on Citus idem.claim takes idem.claim_general)', t);
+        END IF;
+    END LOOP;
     -- (Citus refuses a non-IMMUTABLE function in an upsert's DO UPDATE on
     -- a reference table: the time is a parameter.)
     UPDATE idem.lookbacks l SET lookback = interval '11 years', raised_at = v_now
@@ -73,7 +81,7 @@ BEGIN
     FOR v_fn IN SELECT p.oid::regprocedure FROM pg_proc p
                  WHERE p.pronamespace = 'idem'::regnamespace AND p.prokind = 'f'
                  ORDER BY p.oid LOOP
-        IF v_fn::text ~ '^idem\.(claim|complete|complete_stored|complete_unstored|fail|extend|peek)\(' THEN
+        IF v_fn::text ~ '^idem\.(claim|complete|complete_stored|complete_unstored|fail|extend|peek|citus_claim_batch)\(' THEN
             EXECUTE format('ALTER FUNCTION %s SET plan_cache_mode = force_custom_plan', v_fn);
             IF v_fn::text ~ '^idem\.claim\(' THEN
                 EXECUTE format('ALTER FUNCTION %s SET idem.citus = on', v_fn);
@@ -88,5 +96,8 @@ BEGIN
             PERFORM create_distributed_function(v_fn);
         END IF;
     END LOOP;
+    -- (version 28) The claim's copy on each shard, made again when the
+    -- claim changed.
+    RETURN QUERY SELECT s FROM idem.citus_shard_claims() s;
 END
 $function$;

@@ -31,6 +31,7 @@ DECLARE
     v_adopt_seen boolean := false;
     v_token    bigint;
     v_placed   date[];
+    v_copy     text;
     v_weight   integer;
 BEGIN
     IF v_iso = 'repeatable read' THEN
@@ -79,11 +80,24 @@ BEGIN
     -- that was not delegated to the node holding the key's shard would not
     -- exclude a delegated claim of the same key, so it is refused.
     IF current_setting('idem.citus', true) = 'on' THEN  -- (NULL elsewhere; AND would not stop at it)
-        IF NOT idem.key_is_local(claim_general.key) THEN
+        -- (version 28) '' when the key's shard is not on this node; the
+        -- name of this claim's copy on the key's shard (idem.citus_shard_claims)
+        -- when there is one: the claim is answered by it, its statements on
+        -- the shard's tables, which PostgreSQL plans and caches without
+        -- Citus; NULL without one (a shard split since): the statements
+        -- below, through Citus. (In the copies this call reads NULL.)
+        v_copy := idem.citus_shard_claim(claim_general.key);
+        IF v_copy OPERATOR(pg_catalog.=) '' THEN
             RAISE EXCEPTION USING ERRCODE = 'ID005',
                 MESSAGE = 'idem.claim ran on a node that does not hold the key''s shard',
                 DETAIL = 'On Citus the per-key lock is taken on the node that owns the key; this call was not delegated there.',
                 HINT = 'Call it as SELECT ... FROM idem.claim(...) with the key as a constant or parameter (as idem''s Go API does), not from another query or function.';
+        END IF;
+        IF v_copy IS NOT NULL THEN
+            EXECUTE pg_catalog.format('SELECT * FROM %s($1, $2, $3, $4, $5, $6, $7)', v_copy)
+               INTO outcome, token, attempt, lease_expires_at, result, error, first_seen, expires_at, lease_remaining
+              USING claim_general.source, claim_general.key, claim_general.fingerprint, claim_general.ttl, claim_general.lease, claim_general.event_type, claim_general.lock_wait;
+            RETURN;
         END IF;
     END IF;
 
