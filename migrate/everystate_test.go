@@ -75,6 +75,11 @@ type everyKey struct {
 	// row, complete, fail and extend answer not_found (its claim must
 	// answer as before all the same).
 	Prunable bool
+	// Expired: the key's row is expired (a claim takes the key as new)
+	// but something keeps it from prune (a hold, a ttl raised since). Since
+	// migration 27 idem.peek answers for a live row only, so its peek may
+	// read as no row.
+	Expired bool
 }
 
 func (k everyKey) id() string { return k.Source + "/" + k.Key }
@@ -338,7 +343,7 @@ func buildEveryState(t *testing.T, ctx context.Context, url string, p *goose.Pro
 		{"ttl-raised", "completed, its source's ttl raised since (7 to 90 days)", "completed", 3 * day},
 	} {
 		a := at.Add(-c.age)
-		k := everyKey{State: c.state, Source: c.src, Key: c.src + "-" + ageName(c.age), Where: where(c.src, c.age), Outcome: c.outcome}
+		k := everyKey{State: c.state, Source: c.src, Key: c.src + "-" + ageName(c.age), Where: where(c.src, c.age), Outcome: c.outcome, Expired: c.outcome == "acquired"}
 		k.Token = claim(a, c.src, k.Key, "")
 		exec(a.Add(time.Second), `SELECT idem.complete($1, $2, $3, '{"ttl": "as stored"}')`, c.src, k.Key, k.Token)
 		add(k)
@@ -368,7 +373,7 @@ func buildEveryState(t *testing.T, ctx context.Context, url string, p *goose.Pro
 	} {
 		job++
 		a := at.Add(-h.age)
-		k := everyKey{State: h.state, Source: h.src, Key: h.key, Where: where(h.src, h.age), Outcome: h.outcome}
+		k := everyKey{State: h.state, Source: h.src, Key: h.key, Where: where(h.src, h.age), Outcome: h.outcome, Expired: h.key == "held-before-window"}
 		jt := claim(a, h.src, h.key, "")
 		exec(a, `SELECT idem.queue_hold($1, $2, $3, $4)`, h.src, h.key, jt, job)
 		k.Token = jt
@@ -595,7 +600,7 @@ func (s *everyState) diff(got map[string]everyAnswer) (diffs, notes []string) {
 				h = "(none)"
 			}
 			line := fmt.Sprintf("%s [%s; %s]: %s: %s at version %d, %s now", k.id(), k.State, k.Where, f, w, s.Version, h)
-			if p, ok := pruned[f]; ok && k.Prunable && h == p {
+			if p, ok := pruned[f]; ok && h == p && (k.Prunable || (k.Expired && strings.HasPrefix(f, "peek."))) {
 				notes = append(notes, line)
 				continue
 			}
