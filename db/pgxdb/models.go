@@ -37,6 +37,19 @@ type IdemAdoption struct {
 	NoStamp      int64
 }
 
+// Per source, what idem.claim's short path reads in one lookup: the policy in force (its own or '*'), the lookback (the larger of its own and '*'), whether the source has ever had an inbox hold and whether an adoption of it is in progress. Derived from idem.policies, idem.lookbacks, idem.holds and idem.adoptions by triggers, in the same transaction as each change; managed by idem.
+type IdemClaimSetting struct {
+	Source            string
+	Ttl               pgtype.Interval
+	Lease             pgtype.Interval
+	MaxAttempts       *int32
+	DuplicateSampling int32
+	CountPerKey       bool
+	Lookback          pgtype.Interval
+	Holds             bool
+	Adopting          bool
+}
+
 type IdemDuplicateCount struct {
 	Source     string
 	Slot       int32
