@@ -34,8 +34,8 @@
 -- * idem.peek answers for a live row only (an expired key, which a claim
 --   takes as new, reads as no row), as Client.Peek has always said.
 --
--- On Citus (idem.distributed()) the triggers are not created: idem.claim
--- always takes idem.claim_general there.
+-- On Citus (idem.distributed()) the triggers are not created and the table
+-- stays empty: idem.claim always takes idem.claim_general there.
 -- Down restores version 26's idem.claim and drops the rest.
 
 -- +goose Up
@@ -147,12 +147,12 @@ $function$;
 -- +goose StatementEnd
 REVOKE ALL ON FUNCTION idem.claim_settings_held() FROM PUBLIC;
 
-SELECT idem.claim_settings_refresh(NULL);
 
 -- +goose StatementBegin
 DO $do$
 BEGIN
     IF NOT idem.distributed() THEN
+        PERFORM idem.claim_settings_refresh(NULL);
         CREATE TRIGGER claim_settings_policies AFTER INSERT OR UPDATE OR DELETE ON idem.policies
             FOR EACH ROW EXECUTE FUNCTION idem.claim_settings_changed();
         CREATE TRIGGER claim_settings_lookbacks AFTER INSERT OR UPDATE OR DELETE ON idem.lookbacks
@@ -1035,10 +1035,21 @@ BEGIN
 END
 $function$;
 -- +goose StatementEnd
-DROP TRIGGER IF EXISTS claim_settings_policies ON idem.policies;
-DROP TRIGGER IF EXISTS claim_settings_lookbacks ON idem.lookbacks;
-DROP TRIGGER IF EXISTS claim_settings_adoptions ON idem.adoptions;
-DROP TRIGGER IF EXISTS claim_settings_holds ON idem.holds;
+-- (Citus refuses a DROP TRIGGER on its tables even when there is none.)
+-- +goose StatementBegin
+DO $do$
+DECLARE
+    t text;
+BEGIN
+    FOR t IN SELECT unnest(ARRAY['policies', 'lookbacks', 'adoptions', 'holds']) LOOP
+        IF EXISTS (SELECT 1 FROM pg_catalog.pg_trigger g
+                    WHERE g.tgrelid = ('idem.' || t)::regclass AND g.tgname = 'claim_settings_' || t) THEN
+            EXECUTE pg_catalog.format('DROP TRIGGER %I ON idem.%I', 'claim_settings_' || t, t);
+        END IF;
+    END LOOP;
+END
+$do$;
+-- +goose StatementEnd
 DROP FUNCTION idem.claim_general(text, text, text, interval, interval, text, interval);
 DROP FUNCTION idem.claim_settings_held();
 DROP FUNCTION idem.claim_settings_changed();
