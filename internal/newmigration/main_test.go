@@ -123,13 +123,13 @@ func TestNewMigrationStartsFromTodaysDefinitions(t *testing.T) {
 	if d := schemadump.Diff(committed, apply(text, false)); len(d) > 0 {
 		t.Fatalf("its Down changed the schema:\n%s", strings.Join(d, "\n"))
 	}
-	const from, to = "v_sleep    double precision := 0.001;", "v_sleep    double precision := 0.002;"
+	const from, to = "idem.utc_month(v_now + interval '1 day')", "idem.utc_month(v_now + interval '2 days')"
 	if !strings.Contains(up, from) {
 		t.Fatalf("idem.claim has no %q to edit", from)
 	}
 	edited := strings.Replace(up, from, to, 1) + "-- +goose Down\n" + down
 	d := schemadump.Diff(committed, apply(edited, true))
-	if len(d) != 1 || !strings.HasPrefix(d[0], "differs:  functions/claim.sql") || !strings.Contains(d[0], "0.002") {
+	if len(d) != 1 || !strings.HasPrefix(d[0], "differs:  functions/claim.sql") || !strings.Contains(d[0], "2 days") {
 		t.Fatalf("the edited Up: want functions/claim.sql alone to differ, got:\n%s", strings.Join(d, "\n"))
 	}
 	if d := schemadump.Diff(committed, apply(edited, false)); len(d) > 0 {
