@@ -133,6 +133,25 @@ func TestClaimSeesStateChanges(t *testing.T) {
 		}
 	})
 
+	// The negative control: without the trigger that marks a source's
+	// first hold, the same steps on a fresh source run the held key's work
+	// a second time; the subtest above proves something only while this
+	// one sees it.
+	t.Run("negative control: no holds trigger", func(t *testing.T) {
+		later := testdb.MonthStart(time.Now(), 2).Add(24 * time.Hour)
+		lp := testdb.PoolAt(t, url, 2, later)
+		exec(`ALTER TABLE idem.holds DISABLE TRIGGER claim_settings_holds`)
+		defer exec(`ALTER TABLE idem.holds ENABLE TRIGGER claim_settings_holds`)
+		a := claim("held-nc", "h1")
+		if a.outcome != "acquired" {
+			t.Fatalf("first claim: %s", a.outcome)
+		}
+		exec(`SELECT idem.queue_hold('held-nc', 'h1', $1, 2)`, a.token)
+		if got := claimOn(lp, "held-nc", "h1", ""); got.outcome != "acquired" {
+			t.Fatalf("without the trigger the held key answered %s: the hold subtest cannot tell a missing trigger", got.outcome)
+		}
+	})
+
 	t.Run("an adoption starts", func(t *testing.T) {
 		if a := claim("adopt", "native"); a.outcome != "acquired" {
 			t.Fatalf("first claim: %s", a.outcome)
