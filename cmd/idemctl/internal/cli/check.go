@@ -322,8 +322,9 @@ func stuckKeys(ctx context.Context, pool *pgxpool.Pool, grace time.Duration) ([]
 // was promoted (timeline 1) or the role may not list pg_wal (pg_ls_waldir:
 // superuser or pg_monitor). A promotion writes the history file of its
 // new timeline, the highest-numbered one, into pg_wal; its modification
-// time is the promotion's. Then it counts the keys in processing whose
-// lease was granted or extended before it, not held for the inbox's queue
+// time is the promotion's, to the second (pg_ls_waldir reports whole
+// seconds). Then it counts the keys in processing whose lease was granted
+// or extended before the end of that second, not held for the inbox's queue
 // (a queued event waits for its job, whatever the promotion), and names
 // the oldest.
 func failoverLeftovers(ctx context.Context, pool *pgxpool.Pool) (*failoverLeft, error) {
@@ -340,13 +341,18 @@ func failoverLeftovers(ctx context.Context, pool *pgxpool.Pool) (*failoverLeft, 
 	if _, err := fmt.Sscanf(name, "%08X.history", &f.Timeline); err != nil {
 		return nil, fmt.Errorf("look for a promotion: history file %q: %w", name, err)
 	}
+	// The file's time is truncated to the second: a key claimed in the
+	// same second just before the promotion is still from before it. A
+	// key claimed within that second just after it is named too: the
+	// check errs towards attention, never towards silence.
+	cutoff := f.PromotedAt.Add(time.Second)
 	const from = ` FROM idem.processed_events e
 	 WHERE e.status = 'processing' AND e.updated_at < $1 AND e.expires_at > idem.clock()
 	   AND NOT EXISTS (SELECT FROM idem.holds h WHERE h.source = e.source AND h.key = e.key)`
-	if err := pool.QueryRow(ctx, `SELECT count(*)`+from, f.PromotedAt).Scan(&f.Processing); err != nil {
+	if err := pool.QueryRow(ctx, `SELECT count(*)`+from, cutoff).Scan(&f.Processing); err != nil {
 		return nil, fmt.Errorf("count the keys in flight at the promotion: %w", err)
 	}
-	rows, err := pool.Query(ctx, `SELECT e.source, e.key, e.lease_expires_at`+from+` ORDER BY e.updated_at, e.source, e.key LIMIT $2`, f.PromotedAt, stuckNamed)
+	rows, err := pool.Query(ctx, `SELECT e.source, e.key, e.lease_expires_at`+from+` ORDER BY e.updated_at, e.source, e.key LIMIT $2`, cutoff, stuckNamed)
 	if err != nil {
 		return nil, fmt.Errorf("name the keys in flight at the promotion: %w", err)
 	}
