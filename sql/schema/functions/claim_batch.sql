@@ -49,6 +49,11 @@ DECLARE
     -- The duplicates' positions and months, for per-key counting.
     f_ord      integer[];
     f_month    date[];
+    -- (version 29) The short path.
+    s          record;             -- the source's row of idem.claim_settings
+    v_short    boolean := false;   -- the batch's settings are that row's
+    v_holds    boolean := true;    -- the source may have inbox holds: they are looked for
+    v_lean     boolean := false;   -- every key locked at once: the new keys inserted by one statement
 BEGIN
     IF v_iso = 'repeatable read' THEN
         RAISE EXCEPTION USING ERRCODE = '0A000',
@@ -101,23 +106,54 @@ BEGIN
     END IF;
     v_until := clock_timestamp() + coalesce(claim_batch.lock_wait, interval '5 seconds');
 
-    -- The source's policy, and its lookback for the window of the first
-    -- read (a lookback raised meanwhile only makes that read miss a row,
-    -- and a key it does not answer is read again under its lock below,
-    -- with the lookback read again there, as idem.claim reads it).
-    SELECT x.ttl, x.lease, x.max_attempts, x.duplicate_sampling, x.count_per_key,
-           (SELECT max(l.lookback) FROM idem.lookbacks l WHERE l.source IN (claim_batch.source, '*'))
-      INTO v_ttl, v_lease, v_max, v_sample, v_per_key, v_lookback
-      FROM (SELECT p.ttl, p.lease, p.max_attempts, p.duplicate_sampling, p.count_per_key
-              FROM idem.policies p WHERE p.source = claim_batch.source
-            UNION ALL
-            SELECT p.ttl, p.lease, p.max_attempts, p.duplicate_sampling, p.count_per_key
-              FROM idem.policies p WHERE p.source = '*'
-             LIMIT 1) x;
-    IF NOT FOUND THEN
-        RAISE EXCEPTION USING ERRCODE = '42704',
-            MESSAGE = format('idem.claim_batch: no policy for source %L and no default policy', claim_batch.source),
-            HINT = 'Insert a row for the source, or the default row with source ''*'', into idem.policies.';
+    -- (version 29) The short path, as idem.claim's (migration 27): at
+    -- READ COMMITTED, off Citus, the source's policy, lookback and whether
+    -- it has had an inbox hold or has an adoption in progress are one row
+    -- of idem.claim_settings (kept by triggers in the same transaction as
+    -- every change of them; a source with no row of its own yet claims with
+    -- the default's, and writes its own when it can without waiting). A
+    -- source whose legacy table is being adopted, and every batch in
+    -- SERIALIZABLE or on Citus (where idem.citus is on: the shards' copies of
+    -- this function), read the tables, as before.
+    IF v_iso = 'read committed' AND current_setting('idem.citus', true) IS DISTINCT FROM 'on' THEN
+        SELECT c.ttl, c.lease, c.max_attempts, c.duplicate_sampling, c.count_per_key, c.lookback, c.holds, c.adopting
+          INTO s FROM idem.claim_settings c WHERE c.source = claim_batch.source;
+        IF NOT FOUND THEN
+            SELECT c.ttl, c.lease, c.max_attempts, c.duplicate_sampling, c.count_per_key, c.lookback,
+                   false AS holds, false AS adopting
+              INTO s FROM idem.claim_settings c WHERE c.source = '*';
+            v_short := FOUND;
+            IF v_short AND current_setting('transaction_read_only') = 'off'
+               AND pg_try_advisory_xact_lock(1768187248, hashtext(claim_batch.source)) THEN
+                PERFORM idem.claim_settings_refresh(claim_batch.source);
+            END IF;
+        ELSE
+            v_short := true;
+        END IF;
+        v_short := v_short AND NOT s.adopting;
+    END IF;
+    IF v_short THEN
+        v_ttl := s.ttl; v_lease := s.lease; v_max := s.max_attempts; v_sample := s.duplicate_sampling;
+        v_per_key := s.count_per_key; v_lookback := s.lookback; v_holds := s.holds;
+    ELSE
+        -- The source's policy, and its lookback for the window of the first
+        -- read (a lookback raised meanwhile only makes that read miss a row,
+        -- and a key it does not answer is read again under its lock below,
+        -- with the lookback read again there, as idem.claim reads it).
+        SELECT x.ttl, x.lease, x.max_attempts, x.duplicate_sampling, x.count_per_key,
+               (SELECT max(l.lookback) FROM idem.lookbacks l WHERE l.source IN (claim_batch.source, '*'))
+          INTO v_ttl, v_lease, v_max, v_sample, v_per_key, v_lookback
+          FROM (SELECT p.ttl, p.lease, p.max_attempts, p.duplicate_sampling, p.count_per_key
+                  FROM idem.policies p WHERE p.source = claim_batch.source
+                UNION ALL
+                SELECT p.ttl, p.lease, p.max_attempts, p.duplicate_sampling, p.count_per_key
+                  FROM idem.policies p WHERE p.source = '*'
+                 LIMIT 1) x;
+        IF NOT FOUND THEN
+            RAISE EXCEPTION USING ERRCODE = '42704',
+                MESSAGE = format('idem.claim_batch: no policy for source %L and no default policy', claim_batch.source),
+                HINT = 'Insert a row for the source, or the default row with source ''*'', into idem.policies.';
+        END IF;
     END IF;
     v_ttl := coalesce(claim_batch.ttl, v_ttl);
     v_lease := coalesce(claim_batch.lease, v_lease);
@@ -149,14 +185,35 @@ BEGIN
                                 claim_batch.fingerprints[1], v_now) IS NOT NULL
      LIMIT 1;
     IF NOT FOUND THEN
-        -- The distinct keys (each at its first position) in the global
-        -- lock order: by the lock's key, then position.
-        SELECT array_agg(d.o), array_agg(d.o ORDER BY d.h, d.o), array_agg(d.h ORDER BY d.h, d.o)
-          INTO v_firsts, v_ords, v_hashes
-          FROM (SELECT min(u.o)::integer AS o, hashtext(claim_batch.source || chr(31) || u.k) AS h
-                  FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o)
-                 GROUP BY u.k) d;
-        v_nfirst := cardinality(v_firsts);
+        IF v_short THEN
+            -- (version 29) The short path: every key's lock in the global
+            -- order (by the lock's key, then position; a repeated key's lock
+            -- is taken again), one statement that stops at the first busy
+            -- one (LIMIT 1: the later ones are not tried). All taken: the
+            -- new keys are inserted at once below. One busy: the batch goes
+            -- on as below, trying the same order again (the locks it holds
+            -- are a prefix of it), so it never holds a later key while it
+            -- waits for an earlier one. (OFFSET 0: the lock's condition is
+            -- not pushed below the sort, where it would take the locks in
+            -- the batch's order.)
+            PERFORM 1
+              FROM (SELECT hashtext(claim_batch.source || chr(31) || u.k) AS h, u.o
+                      FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o)
+                     ORDER BY 1, 2 OFFSET 0) l
+             WHERE NOT pg_try_advisory_xact_lock(1768187245, l.h)
+             LIMIT 1;
+            v_lean := NOT FOUND;
+        END IF;
+        IF NOT v_lean THEN
+            -- The distinct keys (each at its first position) in the global
+            -- lock order: by the lock's key, then position.
+            SELECT array_agg(d.o), array_agg(d.o ORDER BY d.h, d.o), array_agg(d.h ORDER BY d.h, d.o)
+              INTO v_firsts, v_ords, v_hashes
+              FROM (SELECT min(u.o)::integer AS o, hashtext(claim_batch.source || chr(31) || u.k) AS h
+                      FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o)
+                     GROUP BY u.k) d;
+            v_nfirst := cardinality(v_firsts);
+        END IF;
     ELSE
         -- Each distinct key (at its first position) and its live row in
         -- the window, probed by its own index lookup (a lateral probe:
@@ -262,11 +319,23 @@ BEGIN
         v_from := v_busy + 1;
     END LOOP;
 
-    IF cardinality(v_locked) > 0 THEN
+    IF v_lean OR cardinality(v_locked) > 0 THEN
         -- The source's lookback, read again under the keys' locks, as
         -- idem.claim reads it (a claim that held one of them may have
-        -- raised it).
-        SELECT max(l.lookback) INTO v_lookback FROM idem.lookbacks l WHERE l.source IN (claim_batch.source, '*');
+        -- raised it); on the short path with whether the source has had a
+        -- hold or has an adoption in progress.
+        IF v_short THEN
+            SELECT c.lookback, c.holds AND c.source <> '*', c.adopting AND c.source <> '*'
+              INTO v_lookback, v_holds, v_adopting
+              FROM idem.claim_settings c WHERE c.source IN (claim_batch.source, '*')
+             ORDER BY c.source = '*' LIMIT 1;
+            v_short := FOUND;
+        END IF;
+        IF NOT v_short THEN
+            SELECT max(l.lookback) INTO v_lookback FROM idem.lookbacks l WHERE l.source IN (claim_batch.source, '*');
+            v_adopting := EXISTS (SELECT 1 FROM idem.adoptions a WHERE a.source = claim_batch.source AND a.state = 'copying');
+            v_holds := true;
+        END IF;
         v_now := idem.clock();
         v_need := idem.days_at_most(greatest(v_ttl, v_lease));
         IF v_need > v_lookback THEN
@@ -277,7 +346,6 @@ BEGIN
         v_lo := idem.window_start(v_now, v_lookback);
         v_hi := idem.utc_month(v_now + interval '1 day');
         v_cur := idem.utc_month(v_now);
-        v_adopting := EXISTS (SELECT 1 FROM idem.adoptions a WHERE a.source = claim_batch.source AND a.state = 'copying');
         v_base := idem.new_token();
 
         -- SERIALIZABLE: the transaction's snapshot may predate a claim of
@@ -307,119 +375,189 @@ BEGIN
             END IF;
         END IF;
 
-        -- One statement for the locked keys' common answers, read again
-        -- under their locks with a new snapshot:
-        -- * p: each key's live row in the window's other months (before
-        --   and after the current one, each an index lookup); a settled
-        --   one answers as idem.claim answers it; for a key with none, its
-        --   queue hold (a probe with LIMIT: an EXISTS may be planned as a
-        --   hash of every hold of the source);
-        -- * ins: a key with no row there and no hold is inserted into the
-        --   current month (ON CONFLICT DO NOTHING: the unique index reads
-        --   the current month for it, so it is not probed first): acquired;
-        -- * cur: a key the insert met a row of, or a held key, is answered
-        --   from its live row in the current month when that is settled;
-        --   a held key without one is in_progress.
-        -- What is left (a lost lease or a retryable failure to take over,
-        -- an expired row in the current month, a key while its source's
-        -- legacy table is adopted) is idem.claim's, below. Each answer is
-        -- returned as the statement yields it.
-        FOR ar IN
-        WITH p AS MATERIALIZED (
-            SELECT l.o, claim_batch.keys[l.o] AS k, e.*,
-                   CASE WHEN e.status IS NULL AND NOT v_adopting THEN h.held IS NOT NULL END AS held,
-                   idem.settled_outcome(e.status, e.retryable, e.lease_expires_at, e.fingerprint,
-                                        claim_batch.fingerprints[l.o], v_now) AS settled
-              FROM unnest(v_locked) l(o)
-              LEFT JOIN LATERAL (
-                  (SELECT x.first_seen_month, x.status, x.attempts, x.lease_expires_at, x.fingerprint, x.result,
-                          x.last_error, x.retryable, x.first_seen, x.expires_at
-                     FROM idem.processed_events x
-                    WHERE x.source = claim_batch.source AND x.key = claim_batch.keys[l.o]
-                      AND x.first_seen_month >= v_lo AND x.first_seen_month < v_cur
-                      AND x.expires_at > v_now
-                    LIMIT 1)
-                  UNION ALL
-                  (SELECT x.first_seen_month, x.status, x.attempts, x.lease_expires_at, x.fingerprint, x.result,
-                          x.last_error, x.retryable, x.first_seen, x.expires_at
-                     FROM idem.processed_events x
-                    WHERE x.source = claim_batch.source AND x.key = claim_batch.keys[l.o]
-                      AND x.first_seen_month >= (v_cur + interval '1 month')::date AND x.first_seen_month <= v_hi
-                      AND x.expires_at > v_now
-                    LIMIT 1)
-                  LIMIT 1) e ON true
-              LEFT JOIN LATERAL (
-                  SELECT true AS held FROM idem.holds y
-                   WHERE y.source = claim_batch.source AND y.key = claim_batch.keys[l.o] AND y.state = 'queued'
-                   LIMIT 1) h ON e.status IS NULL AND NOT v_adopting),
-        ins AS (
-            INSERT INTO idem.processed_events AS e
-                   (source, key, first_seen_month, event_type, status, attempts, token,
-                    lease_expires_at, fingerprint, first_seen, updated_at, expires_at)
-            SELECT claim_batch.source, p.k, v_cur, claim_batch.event_types[p.o],
-                   'processing', 1, greatest(v_base # (p.o::bigint * 2654435761), 1), v_now + v_lease,
-                   claim_batch.fingerprints[p.o], v_now, v_now, v_now + greatest(v_ttl, v_lease)
-              FROM p WHERE p.held = false
-            ON CONFLICT DO NOTHING
-            RETURNING e.key, e.token, e.attempts, e.lease_expires_at, e.first_seen, e.expires_at),
-        cur AS MATERIALIZED (
-            SELECT p.o, p.held, r.*,
-                   idem.settled_outcome(r.status, r.retryable, r.lease_expires_at, r.fingerprint,
-                                        claim_batch.fingerprints[p.o], v_now) AS settled
-              FROM p
-              LEFT JOIN LATERAL (
-                  SELECT x.first_seen_month, x.status, x.attempts, x.lease_expires_at, x.fingerprint, x.result,
-                         x.last_error, x.retryable, x.first_seen, x.expires_at
-                    FROM idem.processed_events x
-                   WHERE x.source = claim_batch.source AND x.key = p.k
-                     AND x.first_seen_month = v_cur AND x.expires_at > v_now
-                   LIMIT 1) r ON true
-             WHERE p.held IS NOT NULL AND NOT EXISTS (SELECT 1 FROM ins i WHERE i.key = p.k)),
-        a AS (
-            SELECT p.o, p.settled AS outcome, NULL::bigint AS token, p.attempts,
-                   CASE WHEN p.settled IN ('in_progress', 'mismatch') THEN p.lease_expires_at END AS lease_at,
-                   CASE WHEN p.settled = 'completed' THEN p.result END AS result,
-                   CASE WHEN p.settled IN ('failed', 'completed') THEN p.last_error END AS error,
-                   p.first_seen, p.expires_at,
-                   CASE WHEN p.settled = 'in_progress' THEN greatest(p.lease_expires_at - v_now, interval '0') END AS left_,
-                   p.first_seen_month AS month
-              FROM p WHERE p.settled IS NOT NULL
-            UNION ALL
-            SELECT r.o, r.settled, NULL, r.attempts,
-                   CASE WHEN r.settled IN ('in_progress', 'mismatch') THEN r.lease_expires_at END,
-                   CASE WHEN r.settled = 'completed' THEN r.result END,
-                   CASE WHEN r.settled IN ('failed', 'completed') THEN r.last_error END,
-                   r.first_seen, r.expires_at,
-                   CASE WHEN r.settled = 'in_progress' THEN greatest(r.lease_expires_at - v_now, interval '0') END,
-                   r.first_seen_month
-              FROM cur r WHERE r.settled IS NOT NULL
-            UNION ALL
-            SELECT r.o, 'in_progress', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-              FROM cur r WHERE r.held AND r.status IS NULL
-            UNION ALL
-            SELECT p.o, 'acquired', i.token, i.attempts, i.lease_expires_at, NULL, NULL, i.first_seen, i.expires_at,
-                   v_lease, NULL
-              FROM ins i JOIN p ON p.k = i.key)
-        SELECT a.o, a.outcome, a.token, a.attempts, a.lease_at, a.result, a.error, a.first_seen, a.expires_at,
-               a.left_, a.month
-          FROM a
-        LOOP
-            ord := ar.o; outcome := ar.outcome; token := ar.token; attempt := ar.attempts;
-            lease_expires_at := ar.lease_at; result := ar.result; error := ar.error;
-            first_seen := ar.first_seen; expires_at := ar.expires_at; lease_remaining := ar.left_;
-            RETURN NEXT;
-            a_ord := a_ord || ar.o;
-            IF ar.outcome = 'acquired' THEN
-                v_acq := v_acq + 1;
-            ELSIF ar.month IS NOT NULL THEN
-                -- An answer read from a row: a duplicate (counted below).
-                v_dups := v_dups + 1;
-                IF v_per_key THEN
-                    f_ord := f_ord || ar.o;
-                    f_month := f_month || ar.month;
-                END IF;
+        -- (version 29) The short path, every key locked at once: the keys
+        -- with no live row in the window's other months (each an index
+        -- lookup, as below) and, for a source that has had holds, no queue
+        -- hold are inserted into the current month in position order (a
+        -- repeated key's later positions meet its first), each answered as
+        -- acquired as the statement yields it. A batch of new keys ends
+        -- here, with no further statement. The keys not inserted (a row in
+        -- the window, a hold, an expired row in the current month, an
+        -- adoption started meanwhile), each distinct key at its first
+        -- position, go on as below, and a repeated key's later positions at
+        -- the end, as a batch that could not take every lock at once.
+        IF v_lean THEN
+            IF NOT v_adopting THEN
+                RETURN QUERY
+                WITH ins AS (
+                    INSERT INTO idem.processed_events AS e
+                           (source, key, first_seen_month, event_type, status, attempts, token,
+                            lease_expires_at, fingerprint, first_seen, updated_at, expires_at)
+                    SELECT claim_batch.source, u.k, v_cur, claim_batch.event_types[u.o],
+                           'processing', 1, greatest(v_base # (u.o * 2654435761), 1), v_now + v_lease,
+                           claim_batch.fingerprints[u.o], v_now, v_now, v_now + greatest(v_ttl, v_lease)
+                      FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o)
+                      LEFT JOIN LATERAL (
+                          (SELECT 1 FROM idem.processed_events x
+                            WHERE x.source = claim_batch.source AND x.key = u.k
+                              AND x.first_seen_month >= v_lo AND x.first_seen_month < v_cur
+                              AND x.expires_at > v_now
+                            LIMIT 1)
+                          UNION ALL
+                          (SELECT 1 FROM idem.processed_events x
+                            WHERE x.source = claim_batch.source AND x.key = u.k
+                              AND x.first_seen_month >= (v_cur + interval '1 month')::date AND x.first_seen_month <= v_hi
+                              AND x.expires_at > v_now
+                            LIMIT 1)
+                          LIMIT 1) w(found) ON true
+                      LEFT JOIN LATERAL (
+                          SELECT true FROM idem.holds y
+                           WHERE v_holds AND y.source = claim_batch.source AND y.key = u.k AND y.state = 'queued'
+                           LIMIT 1) h(held) ON true
+                     WHERE w.found IS NULL AND h.held IS NULL
+                     ORDER BY u.o
+                    ON CONFLICT DO NOTHING
+                    RETURNING e.key, e.token, e.lease_expires_at, e.first_seen, e.expires_at)
+                SELECT u.o::integer, 'acquired'::text, i.token, 1, i.lease_expires_at, NULL::jsonb, NULL::text,
+                       i.first_seen, i.expires_at, v_lease
+                  FROM ins i
+                  JOIN unnest(claim_batch.keys) WITH ORDINALITY u(k, o)
+                    ON u.k = i.key AND i.token = greatest(v_base # (u.o * 2654435761), 1);
+                GET DIAGNOSTICS v_acq = ROW_COUNT;
             END IF;
-        END LOOP;
+            IF v_acq = v_n THEN
+                v_nfirst := v_n;
+            ELSE
+                -- Each distinct key's first position, and those not
+                -- acquired just now (no row with the token derived for it).
+                SELECT array_agg(d.o),
+                       coalesce(array_agg(d.o) FILTER (WHERE NOT EXISTS (
+                           SELECT 1 FROM idem.processed_events x
+                            WHERE x.source = claim_batch.source AND x.key = d.k AND x.first_seen_month = v_cur
+                              AND x.token = greatest(v_base # (d.o::bigint * 2654435761), 1))), '{}')
+                  INTO v_firsts, v_locked
+                  FROM (SELECT min(u.o)::integer AS o, u.k
+                          FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o)
+                         GROUP BY u.k) d;
+                v_nfirst := cardinality(v_firsts);
+            END IF;
+        END IF;
+
+        IF cardinality(v_locked) > 0 THEN
+            -- One statement for the locked keys' common answers, read again
+            -- under their locks with a new snapshot:
+            -- * p: each key's live row in the window's other months (before
+            --   and after the current one, each an index lookup); a settled
+            --   one answers as idem.claim answers it; for a key with none, its
+            --   queue hold (a probe with LIMIT: an EXISTS may be planned as a
+            --   hash of every hold of the source);
+            -- * ins: a key with no row there and no hold is inserted into the
+            --   current month (ON CONFLICT DO NOTHING: the unique index reads
+            --   the current month for it, so it is not probed first): acquired;
+            -- * cur: a key the insert met a row of, or a held key, is answered
+            --   from its live row in the current month when that is settled;
+            --   a held key without one is in_progress.
+            -- What is left (a lost lease or a retryable failure to take over,
+            -- an expired row in the current month, a key while its source's
+            -- legacy table is adopted) is idem.claim's, below. Each answer is
+            -- returned as the statement yields it.
+            FOR ar IN
+            WITH p AS MATERIALIZED (
+                SELECT l.o, claim_batch.keys[l.o] AS k, e.*,
+                       CASE WHEN e.status IS NULL AND NOT v_adopting THEN h.held IS NOT NULL END AS held,
+                       idem.settled_outcome(e.status, e.retryable, e.lease_expires_at, e.fingerprint,
+                                            claim_batch.fingerprints[l.o], v_now) AS settled
+                  FROM unnest(v_locked) l(o)
+                  LEFT JOIN LATERAL (
+                      (SELECT x.first_seen_month, x.status, x.attempts, x.lease_expires_at, x.fingerprint, x.result,
+                              x.last_error, x.retryable, x.first_seen, x.expires_at
+                         FROM idem.processed_events x
+                        WHERE x.source = claim_batch.source AND x.key = claim_batch.keys[l.o]
+                          AND x.first_seen_month >= v_lo AND x.first_seen_month < v_cur
+                          AND x.expires_at > v_now
+                        LIMIT 1)
+                      UNION ALL
+                      (SELECT x.first_seen_month, x.status, x.attempts, x.lease_expires_at, x.fingerprint, x.result,
+                              x.last_error, x.retryable, x.first_seen, x.expires_at
+                         FROM idem.processed_events x
+                        WHERE x.source = claim_batch.source AND x.key = claim_batch.keys[l.o]
+                          AND x.first_seen_month >= (v_cur + interval '1 month')::date AND x.first_seen_month <= v_hi
+                          AND x.expires_at > v_now
+                        LIMIT 1)
+                      LIMIT 1) e ON true
+                  LEFT JOIN LATERAL (
+                      SELECT true AS held FROM idem.holds y
+                       WHERE v_holds AND y.source = claim_batch.source AND y.key = claim_batch.keys[l.o] AND y.state = 'queued'
+                       LIMIT 1) h ON e.status IS NULL AND NOT v_adopting),
+            ins AS (
+                INSERT INTO idem.processed_events AS e
+                       (source, key, first_seen_month, event_type, status, attempts, token,
+                        lease_expires_at, fingerprint, first_seen, updated_at, expires_at)
+                SELECT claim_batch.source, p.k, v_cur, claim_batch.event_types[p.o],
+                       'processing', 1, greatest(v_base # (p.o::bigint * 2654435761), 1), v_now + v_lease,
+                       claim_batch.fingerprints[p.o], v_now, v_now, v_now + greatest(v_ttl, v_lease)
+                  FROM p WHERE p.held = false
+                ON CONFLICT DO NOTHING
+                RETURNING e.key, e.token, e.attempts, e.lease_expires_at, e.first_seen, e.expires_at),
+            cur AS MATERIALIZED (
+                SELECT p.o, p.held, r.*,
+                       idem.settled_outcome(r.status, r.retryable, r.lease_expires_at, r.fingerprint,
+                                            claim_batch.fingerprints[p.o], v_now) AS settled
+                  FROM p
+                  LEFT JOIN LATERAL (
+                      SELECT x.first_seen_month, x.status, x.attempts, x.lease_expires_at, x.fingerprint, x.result,
+                             x.last_error, x.retryable, x.first_seen, x.expires_at
+                        FROM idem.processed_events x
+                       WHERE x.source = claim_batch.source AND x.key = p.k
+                         AND x.first_seen_month = v_cur AND x.expires_at > v_now
+                       LIMIT 1) r ON true
+                 WHERE p.held IS NOT NULL AND NOT EXISTS (SELECT 1 FROM ins i WHERE i.key = p.k)),
+            a AS (
+                SELECT p.o, p.settled AS outcome, NULL::bigint AS token, p.attempts,
+                       CASE WHEN p.settled IN ('in_progress', 'mismatch') THEN p.lease_expires_at END AS lease_at,
+                       CASE WHEN p.settled = 'completed' THEN p.result END AS result,
+                       CASE WHEN p.settled IN ('failed', 'completed') THEN p.last_error END AS error,
+                       p.first_seen, p.expires_at,
+                       CASE WHEN p.settled = 'in_progress' THEN greatest(p.lease_expires_at - v_now, interval '0') END AS left_,
+                       p.first_seen_month AS month
+                  FROM p WHERE p.settled IS NOT NULL
+                UNION ALL
+                SELECT r.o, r.settled, NULL, r.attempts,
+                       CASE WHEN r.settled IN ('in_progress', 'mismatch') THEN r.lease_expires_at END,
+                       CASE WHEN r.settled = 'completed' THEN r.result END,
+                       CASE WHEN r.settled IN ('failed', 'completed') THEN r.last_error END,
+                       r.first_seen, r.expires_at,
+                       CASE WHEN r.settled = 'in_progress' THEN greatest(r.lease_expires_at - v_now, interval '0') END,
+                       r.first_seen_month
+                  FROM cur r WHERE r.settled IS NOT NULL
+                UNION ALL
+                SELECT r.o, 'in_progress', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+                  FROM cur r WHERE r.held AND r.status IS NULL
+                UNION ALL
+                SELECT p.o, 'acquired', i.token, i.attempts, i.lease_expires_at, NULL, NULL, i.first_seen, i.expires_at,
+                       v_lease, NULL
+                  FROM ins i JOIN p ON p.k = i.key)
+            SELECT a.o, a.outcome, a.token, a.attempts, a.lease_at, a.result, a.error, a.first_seen, a.expires_at,
+                   a.left_, a.month
+              FROM a
+            LOOP
+                ord := ar.o; outcome := ar.outcome; token := ar.token; attempt := ar.attempts;
+                lease_expires_at := ar.lease_at; result := ar.result; error := ar.error;
+                first_seen := ar.first_seen; expires_at := ar.expires_at; lease_remaining := ar.left_;
+                RETURN NEXT;
+                a_ord := a_ord || ar.o;
+                IF ar.outcome = 'acquired' THEN
+                    v_acq := v_acq + 1;
+                ELSIF ar.month IS NOT NULL THEN
+                    -- An answer read from a row: a duplicate (counted below).
+                    v_dups := v_dups + 1;
+                    IF v_per_key THEN
+                        f_ord := f_ord || ar.o;
+                        f_month := f_month || ar.month;
+                    END IF;
+                END IF;
+            END LOOP;
+        END IF;
     END IF;
 
     -- Counting, as idem.claim counts (not in SERIALIZABLE; v_sample 0
