@@ -20,7 +20,17 @@ import (
 // tables: every change of that state, committed on one connection, is
 // seen by the very next claim on another, while other claims of the same
 // sources keep the short path busy.
-func TestClaimSeesStateChanges(t *testing.T) {
+func TestClaimSeesStateChanges(t *testing.T) { testClaimSeesStateChanges(t, false) }
+
+// TestClaimBatchSeesStateChanges checks idem.claim_batch's short path
+// (migration 29) the same way: every claim, of the load and of each step,
+// is a batch (the step's key first, then a new key, so the batch takes its
+// locks at once and inserts its new keys in one statement when its source
+// allows it), and every change is seen by the very next batch on another
+// connection.
+func TestClaimBatchSeesStateChanges(t *testing.T) { testClaimSeesStateChanges(t, true) }
+
+func testClaimSeesStateChanges(t *testing.T, batch bool) {
 	ctx := context.Background()
 	url := testdb.New(t)
 	pool := testdb.Pool(t, url, 16)
@@ -42,8 +52,12 @@ func TestClaimSeesStateChanges(t *testing.T) {
 		var a answer
 		var tok *int64
 		var first, exp *time.Time
-		if err := q.QueryRow(ctx, `SELECT outcome, token, first_seen, expires_at FROM idem.claim($1, $2`+more+`)`, source, key).
-			Scan(&a.outcome, &tok, &first, &exp); err != nil {
+		sql, args := `SELECT outcome, token, first_seen, expires_at FROM idem.claim($1, $2`+more+`)`, []any{source, key}
+		if batch {
+			sql = `SELECT outcome, token, first_seen, expires_at FROM idem.claim_batch($1, ARRAY[$2, $3]` + more + `) WHERE ord = 1`
+			args = append(args, fmt.Sprintf("%s-with-%d", key, time.Now().UnixNano()))
+		}
+		if err := q.QueryRow(ctx, sql, args...).Scan(&a.outcome, &tok, &first, &exp); err != nil {
 			t.Fatalf("claim %s/%s: %v", source, key, err)
 		}
 		if tok != nil {
@@ -70,7 +84,11 @@ func TestClaimSeesStateChanges(t *testing.T) {
 			for i := 0; loadCtx.Err() == nil; i++ {
 				src := sources[i%len(sources)]
 				key := fmt.Sprintf("load-%d-%d", w, i%50) // duplicates after the first 50
-				if _, err := pool.Exec(loadCtx, `SELECT idem.claim($1, $2)`, src, key); err != nil && loadCtx.Err() == nil {
+				sql, args := `SELECT idem.claim($1, $2)`, []any{src, key}
+				if batch { // the key, a new one, and the key again
+					sql, args = `SELECT count(*) FROM idem.claim_batch($1, ARRAY[$2, $3, $2])`, append(args, fmt.Sprintf("load-%d-new-%d", w, i))
+				}
+				if _, err := pool.Exec(loadCtx, sql, args...); err != nil && loadCtx.Err() == nil {
 					loadErr.Store(err)
 					return
 				}
