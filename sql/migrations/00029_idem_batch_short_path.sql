@@ -81,8 +81,6 @@ DECLARE
     v_acq      integer := 0;
     v_dups     integer := 0;
     c          record;
-    kr         record;             -- a key read before the locks
-    ar         record;             -- a locked key's answer
     v_nfirst   integer;            -- the distinct keys
     v_open     integer[] := '{}';  -- read before the locks: the positions without a final answer
     v_weight   integer;
@@ -95,6 +93,8 @@ DECLARE
     v_short    boolean := false;   -- the batch's settings are that row's
     v_holds    boolean := true;    -- the source may have inbox holds: they are looked for
     v_lean     boolean := false;   -- every key locked at once: the new keys inserted by one statement
+    v_rest     integer[] := '{}';  -- the positions that statement did not insert
+    v_month    date;               -- the month of the row an answer was read from
 BEGIN
     IF v_iso = 'repeatable read' THEN
         RAISE EXCEPTION USING ERRCODE = '0A000',
@@ -262,40 +262,39 @@ BEGIN
         -- source). A final answer is returned as it is read; the other keys
         -- are kept for their locks.
         v_nfirst := 0;
-        FOR kr IN
-            SELECT g.o, e.first_seen_month AS month, e.attempts, e.lease_expires_at, e.result, e.last_error,
+        FOR ord, outcome, token, attempt, lease_expires_at, result, error, first_seen, expires_at, lease_remaining, v_month IN
+            SELECT g.o, e.settled, NULL::bigint, e.attempts,
+                   CASE WHEN e.settled IN ('in_progress', 'mismatch') THEN e.lease_expires_at END,
+                   CASE WHEN e.settled = 'completed' THEN e.result END,
+                   CASE WHEN e.settled IN ('failed', 'completed') THEN e.last_error END,
                    e.first_seen, e.expires_at,
-                   idem.settled_outcome(e.status, e.retryable, e.lease_expires_at, e.fingerprint,
-                                        claim_batch.fingerprints[g.o], v_now) AS settled
+                   CASE WHEN e.settled = 'in_progress' THEN greatest(e.lease_expires_at - v_now, interval '0') END,
+                   e.first_seen_month
               FROM (SELECT min(u.o)::integer AS o, u.k
                       FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o)
                      GROUP BY u.k) g
               LEFT JOIN LATERAL (
-                  SELECT x.first_seen_month, x.status, x.attempts, x.lease_expires_at, x.fingerprint, x.result,
-                         x.last_error, x.retryable, x.first_seen, x.expires_at
+                  SELECT x.first_seen_month, x.attempts, x.lease_expires_at, x.result, x.last_error, x.first_seen, x.expires_at,
+                         idem.settled_outcome(x.status, x.retryable, x.lease_expires_at, x.fingerprint,
+                                              claim_batch.fingerprints[g.o], v_now) AS settled
                     FROM idem.processed_events x
                    WHERE x.source = claim_batch.source AND x.key = g.k
                      AND x.first_seen_month >= v_lo AND x.first_seen_month <= v_hi
                      AND x.expires_at > v_now
                    LIMIT 1) e ON true
         LOOP
+            -- (version 29) Each answer straight into the answer's columns.
             v_nfirst := v_nfirst + 1;
-            IF kr.settled IS NULL THEN
-                v_open := v_open || kr.o;
+            IF outcome IS NULL THEN
+                v_open := v_open || ord;
                 CONTINUE;
             END IF;
-            ord := kr.o; outcome := kr.settled; token := NULL; attempt := kr.attempts;
-            lease_expires_at := CASE WHEN kr.settled IN ('in_progress', 'mismatch') THEN kr.lease_expires_at END;
-            result := CASE WHEN kr.settled = 'completed' THEN kr.result END;
-            error := CASE WHEN kr.settled IN ('failed', 'completed') THEN kr.last_error END;
-            first_seen := kr.first_seen; expires_at := kr.expires_at;
-            lease_remaining := CASE WHEN kr.settled = 'in_progress' THEN greatest(kr.lease_expires_at - v_now, interval '0') END;
             RETURN NEXT;
             -- Every answer read from a row is a duplicate (counted below).
             v_dups := v_dups + 1;
             IF v_per_key THEN
-                f_ord := f_ord || kr.o;
-                f_month := f_month || kr.month;
+                f_ord := f_ord || ord;
+                f_month := f_month || v_month;
             END IF;
         END LOOP;
         -- The keys without a final answer in the global lock order (by
@@ -416,20 +415,21 @@ BEGIN
             END IF;
         END IF;
 
-        -- (version 29) The short path, every key locked at once: the keys
-        -- with no live row in the window's other months (each an index
+        -- (version 29) The short path, every key locked at once: one
+        -- statement inserts into the current month, in position order, the
+        -- keys with no live row in the window's other months (each an index
         -- lookup, as below) and, for a source that has had holds, no queue
-        -- hold are inserted into the current month in position order (a
-        -- repeated key's later positions meet its first), each answered as
-        -- acquired as the statement yields it. A batch of new keys ends
-        -- here, with no further statement. The keys not inserted (a row in
-        -- the window, a hold, an expired row in the current month, an
-        -- adoption started meanwhile), each distinct key at its first
-        -- position, go on as below, and a repeated key's later positions at
-        -- the end, as a batch that could not take every lock at once.
+        -- hold; each inserted key is answered acquired as the statement
+        -- yields it (into the answer's columns: no step per field). A
+        -- batch of new keys ends here. The positions it did not insert (a
+        -- row in the window, a hold, an expired row in the current month, a
+        -- repeated key's later positions, which meet its first; all of them
+        -- if an adoption started meanwhile) go on as below: each distinct
+        -- key at its first position by the statement that answers locked
+        -- keys, the repeated ones at the end.
         IF v_lean THEN
             IF NOT v_adopting THEN
-                RETURN QUERY
+                FOR ord, outcome, token, attempt, lease_expires_at, result, error, first_seen, expires_at, lease_remaining IN
                 WITH ins AS (
                     INSERT INTO idem.processed_events AS e
                            (source, key, first_seen_month, event_type, status, attempts, token,
@@ -459,25 +459,27 @@ BEGIN
                      ORDER BY u.o
                     ON CONFLICT DO NOTHING
                     RETURNING e.key, e.token, e.lease_expires_at, e.first_seen, e.expires_at)
-                SELECT u.o::integer, 'acquired'::text, i.token, 1, i.lease_expires_at, NULL::jsonb, NULL::text,
-                       i.first_seen, i.expires_at, v_lease
-                  FROM ins i
-                  JOIN unnest(claim_batch.keys) WITH ORDINALITY u(k, o)
-                    ON u.k = i.key AND i.token = greatest(v_base # (u.o * 2654435761), 1);
-                GET DIAGNOSTICS v_acq = ROW_COUNT;
+                SELECT u.o::integer, CASE WHEN i.key IS NOT NULL THEN 'acquired' END, i.token, 1, i.lease_expires_at,
+                       NULL::jsonb, NULL::text, i.first_seen, i.expires_at, v_lease
+                  FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o)
+                  LEFT JOIN ins i ON i.key = u.k AND i.token = greatest(v_base # (u.o * 2654435761), 1)
+                LOOP
+                    IF outcome IS NULL THEN
+                        v_rest := v_rest || ord;
+                        CONTINUE;
+                    END IF;
+                    RETURN NEXT;
+                    v_acq := v_acq + 1;
+                END LOOP;
             END IF;
             IF v_acq = v_n THEN
                 v_nfirst := v_n;
             ELSE
-                -- Each distinct key's first position, and those not
-                -- acquired just now (no row with the token derived for it).
-                SELECT array_agg(d.o),
-                       coalesce(array_agg(d.o) FILTER (WHERE NOT EXISTS (
-                           SELECT 1 FROM idem.processed_events x
-                            WHERE x.source = claim_batch.source AND x.key = d.k AND x.first_seen_month = v_cur
-                              AND x.token = greatest(v_base # (d.o::bigint * 2654435761), 1))), '{}')
+                -- Each distinct key's first position, and those of them
+                -- not inserted (to be answered as below).
+                SELECT array_agg(d.o), coalesce(array_agg(d.o) FILTER (WHERE d.o = ANY (v_rest)), '{}')
                   INTO v_firsts, v_locked
-                  FROM (SELECT min(u.o)::integer AS o, u.k
+                  FROM (SELECT min(u.o)::integer AS o
                           FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o)
                          GROUP BY u.k) d;
                 v_nfirst := cardinality(v_firsts);
@@ -502,7 +504,7 @@ BEGIN
             -- an expired row in the current month, a key while its source's
             -- legacy table is adopted) is idem.claim's, below. Each answer is
             -- returned as the statement yields it.
-            FOR ar IN
+            FOR ord, outcome, token, attempt, lease_expires_at, result, error, first_seen, expires_at, lease_remaining, v_month IN
             WITH p AS MATERIALIZED (
                 SELECT l.o, claim_batch.keys[l.o] AS k, e.*,
                        CASE WHEN e.status IS NULL AND NOT v_adopting THEN h.held IS NOT NULL END AS held,
@@ -582,19 +584,16 @@ BEGIN
                    a.left_, a.month
               FROM a
             LOOP
-                ord := ar.o; outcome := ar.outcome; token := ar.token; attempt := ar.attempts;
-                lease_expires_at := ar.lease_at; result := ar.result; error := ar.error;
-                first_seen := ar.first_seen; expires_at := ar.expires_at; lease_remaining := ar.left_;
                 RETURN NEXT;
-                a_ord := a_ord || ar.o;
-                IF ar.outcome = 'acquired' THEN
+                a_ord := a_ord || ord;
+                IF outcome = 'acquired' THEN
                     v_acq := v_acq + 1;
-                ELSIF ar.month IS NOT NULL THEN
+                ELSIF v_month IS NOT NULL THEN
                     -- An answer read from a row: a duplicate (counted below).
                     v_dups := v_dups + 1;
                     IF v_per_key THEN
-                        f_ord := f_ord || ar.o;
-                        f_month := f_month || ar.month;
+                        f_ord := f_ord || ord;
+                        f_month := f_month || v_month;
                     END IF;
                 END IF;
             END LOOP;
