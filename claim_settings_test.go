@@ -286,3 +286,42 @@ func settingsDiff(ctx context.Context, t *testing.T, pool *pgxpool.Pool) string 
 	}
 	return ""
 }
+
+// TestClaimBatchAdoptionBetweenItsReads: a batch on the short path reads
+// its source's settings twice, before its locks and under them. An
+// adoption the first read did not see and the second does (here: the
+// source has no settings row of its own, so the first read takes the
+// default's, with no adoption, and the batch's own write of the source's
+// row finds the adoption in progress) makes the batch insert nothing at
+// once: every key is answered as under an adoption (the legacy table's
+// keys completed, repeated ones too, the others acquired).
+func TestClaimBatchAdoptionBetweenItsReads(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t, testdb.New(t), 4)
+	exec := func(sql string, args ...any) {
+		t.Helper()
+		if _, err := pool.Exec(ctx, sql, args...); err != nil {
+			t.Fatalf("%s: %v", sql, err)
+		}
+	}
+	exec(`CREATE TABLE public.legacy_between (k text PRIMARY KEY, at timestamptz NOT NULL);
+		INSERT INTO public.legacy_between VALUES ('leg', now() - interval '1 hour')`)
+	exec(`SELECT idem.adopt_start('between', 'public.legacy_between', 'k', 'at')`)
+	exec(`DELETE FROM idem.claim_settings WHERE source = 'between'`)
+	rows, err := pool.Query(ctx, `SELECT outcome FROM idem.claim_batch('between', ARRAY['new1', 'leg', 'new2', 'leg']) ORDER BY ord`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []string{"acquired", "completed", "acquired", "completed"}; fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("the batch answered %v, want %v", got, want)
+	}
+	var adopting bool
+	if err := pool.QueryRow(ctx, `SELECT adopting FROM idem.claim_settings WHERE source = 'between'`).Scan(&adopting); err != nil || !adopting {
+		t.Errorf("the batch's write of the source's settings: adopting %v (%v), want true", adopting, err)
+	}
+}

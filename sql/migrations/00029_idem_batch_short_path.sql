@@ -2,11 +2,11 @@
 --
 -- Migration 27 gave idem.claim a short path (one row of idem.claim_settings
 -- instead of the policy, lookback, adoption and hold reads; docs/design.md,
--- "The short path"); idem.claim_batch kept reading the tables, and a batch
--- of new keys ran three statements per batch and one loop step per key
--- that a batch whose source uses no feature has no need of. Server CPU per
--- batch of 100 and end to end: docs/performance.md, "DoBatch's short path
--- (migration 29)".
+-- "The short path"); idem.claim_batch kept reading the tables, looked for
+-- an inbox hold of every new key, ordered its keys with an aggregate, and
+-- answered its new keys through a five-part statement and a loop step of
+-- ten assignments per key. Server CPU per batch of 100 and end to end:
+-- docs/performance.md, "DoBatch's short path (migration 29)".
 --
 -- idem.claim_batch, at READ COMMITTED and off Citus:
 -- * reads its source's row of idem.claim_settings (or the default's, and
@@ -18,25 +18,27 @@
 -- * a batch whose first key has no final answer (new keys, mostly) takes
 --   every key's lock in the global order in one statement that stops at
 --   the first busy one; all taken, one statement inserts the keys with no
---   live row in the window's other months (and no hold) and returns their
---   answers as it inserts them (no loop over them, no statement after
---   them). The keys it did not insert (a row in the window, a hold, an
---   expired row in the current month, a repeated key), and every key of a
---   batch that met a busy lock, go on exactly as before: one key at a
---   time, not one batch at a time, leaves the short path.
--- Everything else is as at version 23: the redelivered batch read before
--- the locks, the lock loop that answers a busy key by idem.claim, the
--- statement that answers the locked keys, SERIALIZABLE, counting, repeated
--- keys. One function: the short path shares every step it does not replace.
+--   live row in the window's other months (and no hold) and yields their
+--   answers. Per key, not per batch: the positions it did not insert (a
+--   row in the window, a hold, an expired row in the current month, a
+--   repeated key) are answered by the statement that answers locked keys,
+--   as before; a batch that met a busy lock goes on exactly as before.
+-- Every loop over a statement's rows fetches straight into the answer's
+-- columns (the statements compute them) instead of assigning ten of them
+-- one by one. Everything else is as at version 23: the redelivered batch
+-- read before the locks, the lock loop that answers a busy key by
+-- idem.claim, SERIALIZABLE, counting, repeated keys. One function: the
+-- short path shares every step it does not replace.
 --
 -- Citus: idem_shard_<shard>.claim_batch, the shards' copies that
 -- idem.citus_shard_claims() makes from this function's definition (version
--- 28), run with idem.citus on, so they never take the short path: they
--- contain it but answer as version 23's copies did. The copies are made
--- again (their definition changed) when idem.citus_setup runs, at the end
--- of this migration on a distributed installation, as migration 28 did.
--- On the coordinator idem.claim_batch still refuses a distributed
--- installation (ID006) before any of it.
+-- 28; what is copied is unchanged), run with idem.citus on, so they never
+-- take the short path: they contain it, unreachable, and answer as version
+-- 23's copies did. The copies are made again (their definition changed)
+-- when idem.citus_setup runs, at the end of this migration on a
+-- distributed installation, as migration 28 did. On the coordinator
+-- idem.claim_batch still refuses a distributed installation (ID006)
+-- before any of it.
 --
 -- Down restores migration 23's idem.claim_batch.
 
@@ -476,8 +478,9 @@ BEGIN
                 v_nfirst := v_n;
             ELSE
                 -- Each distinct key's first position, and those of them
-                -- not inserted (to be answered as below).
-                SELECT array_agg(d.o), coalesce(array_agg(d.o) FILTER (WHERE d.o = ANY (v_rest)), '{}')
+                -- not inserted (to be answered as below): all of them when
+                -- an adoption started between the two reads of the settings.
+                SELECT array_agg(d.o), coalesce(array_agg(d.o) FILTER (WHERE v_adopting OR d.o = ANY (v_rest)), '{}')
                   INTO v_firsts, v_locked
                   FROM (SELECT min(u.o)::integer AS o
                           FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o)

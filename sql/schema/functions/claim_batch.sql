@@ -435,8 +435,9 @@ BEGIN
                 v_nfirst := v_n;
             ELSE
                 -- Each distinct key's first position, and those of them
-                -- not inserted (to be answered as below).
-                SELECT array_agg(d.o), coalesce(array_agg(d.o) FILTER (WHERE d.o = ANY (v_rest)), '{}')
+                -- not inserted (to be answered as below): all of them when
+                -- an adoption started between the two reads of the settings.
+                SELECT array_agg(d.o), coalesce(array_agg(d.o) FILTER (WHERE v_adopting OR d.o = ANY (v_rest)), '{}')
                   INTO v_firsts, v_locked
                   FROM (SELECT min(u.o)::integer AS o
                           FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o)
