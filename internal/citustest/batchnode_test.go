@@ -98,7 +98,8 @@ func answer(cl *idem.Claim) string {
 // fingerprint mismatch, a lapsed lease, locked by an open transaction, a
 // key twice) get the same answers there as through the copies (every
 // claim_locked dropped: migration 28's path), and migrate.Citus makes
-// them again; a SERIALIZABLE batch goes through the copies; batches of
+// them again; a SERIALIZABLE batch goes through the copies, and so does a
+// redelivery in a read-only transaction (answered, nothing written); batches of
 // both paths over the same keys, with the node's lock order, acquire each
 // key once, without a deadlock; an undelegated call is refused (ID005).
 func TestCitusBatchByNode(t *testing.T) {
@@ -174,6 +175,18 @@ func TestCitusBatchByNode(t *testing.T) {
 	}
 	if got := shardCalls(t, pool, "claim_batch", 1); got == 0 {
 		t.Fatal("the SERIALIZABLE batch ran no shard's copy of claim_batch")
+	}
+
+	// A redelivery in a read-only transaction (as on a standby): answered
+	// through the copies, which write nothing for it.
+	if err := pgx.BeginTxFunc(ctx, pool, pgx.TxOptions{AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
+		cls, err := c.WithTx(tx).ClaimBatch(ctx, "c", []idem.BatchItem{{Key: "n-done"}, {Key: "c-done"}, {Key: "n-gaveup"}})
+		if err == nil && (cls[0].Outcome != idem.Completed || cls[1].Outcome != idem.Completed || cls[2].Outcome != idem.Failed) {
+			err = fmt.Errorf("answered %s, %s, %s", cls[0].Outcome, cls[1].Outcome, cls[2].Outcome)
+		}
+		return err
+	}); err != nil {
+		t.Fatalf("a redelivered batch in a read-only transaction: %v", err)
 	}
 
 	// Undelegated (the key from a subquery: the call runs on the

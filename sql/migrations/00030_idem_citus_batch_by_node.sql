@@ -20,12 +20,12 @@
 -- * idem.citus_batch_routes computes each key's shard once (it was
 --   computed again for every placement in the join's condition: about
 --   10 ms of the coordinator's time for a batch of 100 keys).
--- * idem.citus_claim_batch, in READ COMMITTED with good input and every
---   shard's claim_locked made, claims the node's keys as one batch:
+-- * idem.citus_claim_batch, in READ COMMITTED (read-write) with good
+--   input and every shard's claim_locked made, claims the node's keys as one batch:
 --   idem.claim_batch's steps once (policy, the locks of every key in the
 --   node's order (shard, lock hash, key), the window, counting, idem.claim
 --   for a busy key and the rest), and per shard only claim_locked. Else
---   (SERIALIZABLE, bad input the copies name, a shard without
+--   (SERIALIZABLE, a read-only transaction, bad input the copies name, a shard without
 --   claim_locked) as in migration 28, shard by shard through the copies of
 --   idem.claim_batch. Same answers; the same lock order on the node, so
 --   both paths' batches never wait on each other in a cycle.
@@ -271,10 +271,12 @@ BEGIN
     -- on the shard's tables). It goes to its locks at once, as
     -- idem.claim_batch does for a batch whose first key has no final
     -- answer; a key with a final answer is answered from its row under
-    -- its lock, as there. The rest (SERIALIZABLE, bad input that the
-    -- batch names, a shard without claim_locked) goes shard by shard
-    -- through the shards' copies of idem.claim_batch, below.
-    IF v_iso = 'read committed'
+    -- its lock, as there. The rest (SERIALIZABLE; a read-only
+    -- transaction, whose redelivered batch idem.claim_batch answers
+    -- without a write, where this path's insert statement is refused; bad
+    -- input that the batch names; a shard without claim_locked) goes shard
+    -- by shard through the shards' copies of idem.claim_batch, below.
+    IF v_iso = 'read committed' AND current_setting('transaction_read_only') = 'off'
        AND NOT (citus_claim_batch.source IS NULL OR octet_length(citus_claim_batch.source) NOT BETWEEN 1 AND 64
        OR btrim(citus_claim_batch.source, E' \t\r\n') = '' OR citus_claim_batch.source ~ '[\x01-\x1f\x7f]'
        OR v_n NOT BETWEEN 1 AND 1000

@@ -68,10 +68,12 @@ BEGIN
     -- on the shard's tables). It goes to its locks at once, as
     -- idem.claim_batch does for a batch whose first key has no final
     -- answer; a key with a final answer is answered from its row under
-    -- its lock, as there. The rest (SERIALIZABLE, bad input that the
-    -- batch names, a shard without claim_locked) goes shard by shard
-    -- through the shards' copies of idem.claim_batch, below.
-    IF v_iso = 'read committed'
+    -- its lock, as there. The rest (SERIALIZABLE; a read-only
+    -- transaction, whose redelivered batch idem.claim_batch answers
+    -- without a write, where this path's insert statement is refused; bad
+    -- input that the batch names; a shard without claim_locked) goes shard
+    -- by shard through the shards' copies of idem.claim_batch, below.
+    IF v_iso = 'read committed' AND current_setting('transaction_read_only') = 'off'
        AND NOT (citus_claim_batch.source IS NULL OR octet_length(citus_claim_batch.source) NOT BETWEEN 1 AND 64
        OR btrim(citus_claim_batch.source, E' \t\r\n') = '' OR citus_claim_batch.source ~ '[\x01-\x1f\x7f]'
        OR v_n NOT BETWEEN 1 AND 1000
