@@ -21,14 +21,15 @@
 --   computed again for every placement in the join's condition: about
 --   10 ms of the coordinator's time for a batch of 100 keys).
 -- * idem.citus_claim_batch, in READ COMMITTED (read-write) with good
---   input and every shard's claim_locked made, claims the node's keys as one batch:
---   idem.claim_batch's steps once (policy, the locks of every key in the
---   node's order (shard, lock hash, key), the window, counting, idem.claim
---   for a busy key and the rest), and per shard only claim_locked. Else
---   (SERIALIZABLE, a read-only transaction, bad input the copies name, a shard without
---   claim_locked) as in migration 28, shard by shard through the copies of
---   idem.claim_batch. Same answers; the same lock order on the node, so
---   both paths' batches never wait on each other in a cycle.
+--   input and every shard's claim_locked made, claims the node's keys as
+--   one batch: idem.claim_batch's steps once (policy, the locks of every
+--   key in the node's order (shard, lock hash, key), the window,
+--   counting, idem.claim for a busy key and the rest), and per shard only
+--   claim_locked. Else (SERIALIZABLE, a read-only transaction, bad input
+--   the copies name, a shard without claim_locked) as in migration 28,
+--   shard by shard through the copies of idem.claim_batch. Same answers;
+--   the same lock order on the node, so both paths' batches never wait on
+--   each other in a cycle.
 --
 -- Nothing changes on a single node (idem.citus_shard_claims returns at
 -- once there; idem.citus_claim_batch is only called on Citus). Down
