@@ -20,6 +20,8 @@ DECLARE
     v_fn     text;
     v_made   integer := 0;
     v_gone   integer := 0;
+    v_stmt   text;
+    v_bad    text;
     s        record;
 BEGIN
     IF NOT idem.distributed() THEN
@@ -45,14 +47,7 @@ BEGIN
             -- <function>.<parameter> still names its parameters.
             v_ref := regexp_replace(v_def, '^CREATE OR REPLACE FUNCTION idem\.' || v_name || '\(',
                                     'CREATE OR REPLACE FUNCTION ' || v_schema || '.' || v_name || '(');
-            v_ref := regexp_replace(v_ref, 'idem\.processed_events\M', 'idem.processed_events_' || s.shardid, 'g');
-            v_ref := regexp_replace(v_ref, 'idem\.holds\M', 'idem.holds_' || s.holds_shard, 'g');
-            v_ref := regexp_replace(v_ref, 'idem\.policies\M',
-                                    'idem.policies_' || (SELECT d.shardid FROM pg_dist_shard d WHERE d.logicalrelid = 'idem.policies'::regclass), 'g');
-            v_ref := regexp_replace(v_ref, 'idem\.lookbacks\M',
-                                    'idem.lookbacks_' || (SELECT d.shardid FROM pg_dist_shard d WHERE d.logicalrelid = 'idem.lookbacks'::regclass), 'g');
-            v_ref := regexp_replace(v_ref, 'idem\.adoptions\M',
-                                    'idem.adoptions_' || (SELECT d.shardid FROM pg_dist_shard d WHERE d.logicalrelid = 'idem.adoptions'::regclass), 'g');
+            v_ref := idem.citus_on_shard(v_ref, s.shardid, s.holds_shard);
             -- A copy is only called after its keys were found on this
             -- node: it asks nothing (claim), refuses nothing (the batch's
             -- refusal of a distributed installation).
@@ -72,6 +67,65 @@ BEGIN
             v_made := v_made + 1;
         END LOOP;
     END LOOP;
+    -- (migration 30) idem_shard_<shard>.claim_locked: the one statement
+    -- of idem.claim_batch that answers its locked keys (its probe of their
+    -- rows, the insert of the new ones, the answer from the current
+    -- month: the statement after its locks, "FOR ar IN WITH p AS
+    -- MATERIALIZED ... FROM a"), cut out of idem.claim_batch's own
+    -- definition and put on the shard's tables, its variables made
+    -- parameters. idem.citus_claim_batch calls it for each shard of a
+    -- node's keys after taking all their locks, once it has read the
+    -- policy and the window for all of them. When the statement cannot be
+    -- found as expected (idem.claim_batch rewritten), or names a variable
+    -- that is not a parameter, no claim_locked is made (and those of an
+    -- older definition are dropped): idem.citus_claim_batch then claims
+    -- each shard's keys with the shard's copy of idem.claim_batch.
+    v_def := pg_get_functiondef('idem.claim_batch(text, text[], text[], interval, interval, text[], interval)'::regprocedure);
+    v_sum := md5(v_def);
+    v_stmt := substr(v_def, strpos(v_def, E'FOR ar IN\n') + 10);
+    v_stmt := left(v_stmt, strpos(v_stmt, E'\n        LOOP\n') - 1);
+    IF strpos(v_def, E'FOR ar IN\n') = 0 OR btrim(v_stmt) !~ '^WITH p AS MATERIALIZED \(' OR btrim(v_stmt) !~ '\mFROM a$' THEN
+        v_stmt := NULL;
+    ELSE
+        SELECT string_agg(DISTINCT m[1], ', ') INTO v_bad
+          FROM regexp_matches(v_stmt, '\m(v_[a-z_]+)', 'g') m
+         WHERE m[1] <> ALL (ARRAY['v_locked', 'v_now', 'v_lo', 'v_hi', 'v_cur', 'v_ttl', 'v_lease', 'v_adopting', 'v_base']);
+        IF v_bad IS NOT NULL THEN
+            v_stmt := NULL;
+        END IF;
+    END IF;
+    FOR s IN SELECT pe.shardid, h.shardid AS holds_shard
+               FROM pg_dist_shard pe
+               JOIN pg_dist_shard h ON h.logicalrelid = 'idem.holds'::regclass AND h.shardminvalue = pe.shardminvalue
+              WHERE pe.logicalrelid = 'idem.processed_events'::regclass
+              ORDER BY pe.shardid LOOP
+        v_schema := 'idem_shard_' || s.shardid;
+        v_fn := v_schema || '.claim_locked(text, text[], text[], text[], integer[], timestamp with time zone, date, date, date, interval, interval, boolean, bigint)';
+        IF v_stmt IS NULL THEN
+            IF to_regprocedure(v_fn) IS NOT NULL THEN
+                EXECUTE format('DROP FUNCTION %s', v_fn);
+            END IF;
+            CONTINUE;
+        END IF;
+        CONTINUE WHEN to_regprocedure(v_fn) IS NOT NULL
+                  AND obj_description(to_regprocedure(v_fn), 'pg_proc') = 'idem: claim_locked ' || v_sum;
+        EXECUTE format('CREATE SCHEMA IF NOT EXISTS %I', v_schema);
+        EXECUTE format($f$CREATE OR REPLACE FUNCTION %s.claim_locked(source text, keys text[], fingerprints text[], event_types text[],
+    v_locked integer[], v_now timestamptz, v_lo date, v_hi date, v_cur date, v_ttl interval, v_lease interval,
+    v_adopting boolean, v_base bigint)
+RETURNS TABLE (r_o integer, r_outcome text, r_token bigint, r_attempts integer, r_lease_at timestamptz, r_result jsonb,
+               r_error text, r_first_seen timestamptz, r_expires_at timestamptz, r_left interval, r_month date)
+    LANGUAGE plpgsql
+    SET search_path = pg_catalog, pg_temp
+    SET plan_cache_mode = force_generic_plan
+AS %L$f$, v_schema,
+            E'\n#variable_conflict use_column\nBEGIN\n    RETURN QUERY\n        '
+            || idem.citus_on_shard(replace(v_stmt, 'claim_batch.', 'claim_locked.'), s.shardid, s.holds_shard)
+            || E';\nEND\n');
+        EXECUTE format('REVOKE ALL ON FUNCTION %s FROM PUBLIC', v_fn);
+        EXECUTE format('COMMENT ON FUNCTION %s IS %L', v_fn, 'idem: claim_locked ' || v_sum);
+        v_made := v_made + 1;
+    END LOOP;
     -- Copies of shards that are gone (a shard split, idem distributed again).
     FOR v_schema IN SELECT n.nspname FROM pg_namespace n
                      WHERE n.nspname ~ '^idem_shard_[0-9]+$'
@@ -82,7 +136,7 @@ BEGIN
         v_gone := v_gone + 1;
     END LOOP;
     IF v_made > 0 THEN
-        RETURN NEXT format('made %s copies of claim and claim_batch on the shards (schemas idem_shard_<shard>)', v_made);
+        RETURN NEXT format('made %s copies of claim, claim_batch and claim_locked on the shards (schemas idem_shard_<shard>)', v_made);
     END IF;
     IF v_gone > 0 THEN
         RETURN NEXT format('dropped the copies of %s shards that are gone', v_gone);
@@ -90,4 +144,4 @@ BEGIN
 END
 $function$;
 
-COMMENT ON FUNCTION idem.citus_shard_claims() IS 'On Citus (run by idem.citus_setup): for each shard of idem.processed_events, idem_shard_<shard>.claim_general and .claim_batch, idem.claim_general''s and idem.claim_batch''s definitions on that shard''s tables, made again when they changed; the schemas of shards that are gone are dropped.';
+COMMENT ON FUNCTION idem.citus_shard_claims() IS 'On Citus (run by idem.citus_setup): for each shard of idem.processed_events, idem_shard_<shard>.claim_general and .claim_batch, idem.claim_general''s and idem.claim_batch''s definitions on that shard''s tables, and .claim_locked, idem.claim_batch''s statement that answers its locked keys, made again when they changed; the schemas of shards that are gone are dropped.';
