@@ -350,7 +350,3 @@ func TestUpgradeFromEveryStateCheckIsNotBlind(t *testing.T) {
 		t.Errorf("with the waiters forgotten, %d of %d waiters reported not woken: %v", len(left), waited, left)
 	}
 }
-
-// TestUpgradeFrom28EveryState: the same, from version 28 (migration 30
-// changes only what Citus calls).
-func TestUpgradeFrom28EveryState(t *testing.T) { testUpgradeEveryState(t, 28) }
