@@ -23,6 +23,10 @@ func TestUpgradeTo30(t *testing.T) {
 	if _, err := db.ExecContext(ctx, `SELECT idem.claim('up', 'running', lease => '1 hour')`); err != nil {
 		t.Fatal(err)
 	}
+	// (idem.claim_batch as migration 29 leaves it.)
+	if _, err := p.UpTo(ctx, 29); err != nil {
+		t.Fatal(err)
+	}
 	var before string
 	if err := db.QueryRowContext(ctx, `SELECT md5(pg_get_functiondef('idem.claim_batch(text, text[], text[], interval, interval, text[], interval)'::regprocedure))`).Scan(&before); err != nil {
 		t.Fatal(err)

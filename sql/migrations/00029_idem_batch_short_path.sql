@@ -38,7 +38,10 @@
 -- when idem.citus_setup runs, at the end of this migration on a
 -- distributed installation, as migration 28 did. On the coordinator
 -- idem.claim_batch still refuses a distributed installation (ID006)
--- before any of it.
+-- before any of it. The statement that answers locked keys stands between
+-- two marker comments, "-- <claim_locked>" and "-- </claim_locked>":
+-- migration 30 cuts it out there for the shards' claim_locked (one
+-- implementation of it, found by its markers, not by its formatting).
 --
 -- Down restores migration 23's idem.claim_batch.
 
@@ -507,7 +510,17 @@ BEGIN
             -- an expired row in the current month, a key while its source's
             -- legacy table is adopted) is idem.claim's, below. Each answer is
             -- returned as the statement yields it.
+            -- On Citus the statement is also each shard's claim_locked
+            -- (migration 30): idem.citus_claim_locked_definition cuts out
+            -- the lines between the two claim_locked markers below (keep
+            -- them around the whole statement, and nowhere else). It may
+            -- use only claim_batch.source, .keys, .fingerprints and
+            -- .event_types and the variables v_locked, v_now, v_lo, v_hi,
+            -- v_cur, v_ttl, v_lease, v_adopting, v_holds and v_base (else no
+            -- claim_locked is made), and its columns are those of this
+            -- loop's targets (claim_locked returns them).
             FOR ord, outcome, token, attempt, lease_expires_at, result, error, first_seen, expires_at, lease_remaining, v_month IN
+            -- <claim_locked>
             WITH p AS MATERIALIZED (
                 SELECT l.o, claim_batch.keys[l.o] AS k, e.*,
                        CASE WHEN e.status IS NULL AND NOT v_adopting THEN h.held IS NOT NULL END AS held,
@@ -586,6 +599,7 @@ BEGIN
             SELECT a.o, a.outcome, a.token, a.attempts, a.lease_at, a.result, a.error, a.first_seen, a.expires_at,
                    a.left_, a.month
               FROM a
+            -- </claim_locked>
             LOOP
                 RETURN NEXT;
                 a_ord := a_ord || ord;

@@ -12,8 +12,16 @@
 --   probe of their rows, the insert of new ones, the answer from the
 --   current month), cut out of idem.claim_batch's own definition and put
 --   on the shard's tables, its variables made parameters (so it is
---   generated from the one batch, never written by hand). When that
---   statement is not where expected, none is made.
+--   generated from the one batch, never written by hand). The statement
+--   is what stands between the comments "-- <claim_locked>" and
+--   "-- </claim_locked>" in idem.claim_batch (migration 29 put them
+--   there; a body keeps its comments), and claim_locked's columns are
+--   those of idem.claim_batch's loop over it (the answer's, and the month
+--   of the row an answer was read from):
+--   idem.citus_claim_locked_definition(schema) makes the definition, or
+--   NULL when the markers are not there once each or the statement names
+--   a variable that is not a parameter; then none is made, and
+--   idem.citus_shard_claims() says so (migrate.Citus, idemctl citus).
 -- * idem.citus_on_shard(definition, shard, holds shard): a definition with
 --   idem's distributed and reference tables replaced by the shard's
 --   tables, as citus_shard_claims did inline for its copies.
@@ -59,6 +67,60 @@ REVOKE ALL ON FUNCTION idem.citus_on_shard(text, bigint, bigint) FROM PUBLIC;
 COMMENT ON FUNCTION idem.citus_on_shard(text, bigint, bigint) IS 'On Citus (idem.citus_shard_claims): a function definition with idem.processed_events, idem.holds and the reference tables replaced by the given shard''s tables.';
 
 -- +goose StatementBegin
+CREATE FUNCTION idem.citus_claim_locked_definition(schema text) RETURNS text
+    LANGUAGE plpgsql STABLE
+    SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_def   text := pg_get_functiondef('idem.claim_batch(text, text[], text[], interval, interval, text[], interval)'::regprocedure);
+    v_open  constant text := E'-- <claim_locked>\n';
+    v_close constant text := E'-- </claim_locked>\n';
+    v_from  integer;
+    v_to    integer;
+    v_stmt  text;
+BEGIN
+    -- idem.claim_batch's statement that answers its locked keys: the lines
+    -- between its two marker comments (each there once, in that order; a
+    -- body keeps its comments, so the cut does not depend on how the
+    -- statement or the loop around it is written).
+    v_from := strpos(v_def, v_open);
+    v_to := strpos(v_def, v_close);
+    IF v_from = 0 OR v_to < v_from OR strpos(substr(v_def, v_from + 1), v_open) > 0
+       OR strpos(substr(v_def, v_to + 1), v_close) > 0 THEN
+        RETURN NULL;
+    END IF;
+    v_stmt := rtrim(substr(v_def, v_from + length(v_open), v_to - v_from - length(v_open)), E' \t\n');
+    -- It may name only claim_locked's parameters: claim_batch's source,
+    -- keys, fingerprints and event_types, and the variables below.
+    IF btrim(v_stmt, E' \t\n') = ''
+       OR EXISTS (SELECT 1 FROM regexp_matches(v_stmt, '\m(v_[a-z0-9_]+)', 'g') m
+                   WHERE m[1] <> ALL (ARRAY['v_locked', 'v_now', 'v_lo', 'v_hi', 'v_cur', 'v_ttl', 'v_lease',
+                                            'v_adopting', 'v_holds', 'v_base']))
+       OR EXISTS (SELECT 1 FROM regexp_matches(v_stmt, '\mclaim_batch\.([a-z0-9_]+)', 'g') m
+                   WHERE m[1] <> ALL (ARRAY['source', 'keys', 'fingerprints', 'event_types'])) THEN
+        RETURN NULL;
+    END IF;
+    -- Its columns are those of claim_batch's loop over it: the answer's,
+    -- and the month of the row an answer was read from.
+    RETURN format($f$CREATE OR REPLACE FUNCTION %I.claim_locked(source text, keys text[], fingerprints text[], event_types text[],
+    v_locked integer[], v_now timestamptz, v_lo date, v_hi date, v_cur date, v_ttl interval, v_lease interval,
+    v_adopting boolean, v_holds boolean, v_base bigint)
+RETURNS TABLE (ord integer, outcome text, token bigint, attempt integer, lease_expires_at timestamptz, result jsonb,
+               error text, first_seen timestamptz, expires_at timestamptz, lease_remaining interval, month date)
+    LANGUAGE plpgsql
+    SET search_path = pg_catalog, pg_temp
+    SET plan_cache_mode = force_generic_plan
+AS %L$f$, schema,
+        E'\n#variable_conflict use_column\nBEGIN\n    RETURN QUERY\n'
+        || regexp_replace(v_stmt, '\mclaim_batch\.', 'claim_locked.', 'g')
+        || E';\nEND\n');
+END
+$$;
+-- +goose StatementEnd
+REVOKE ALL ON FUNCTION idem.citus_claim_locked_definition(text) FROM PUBLIC;
+COMMENT ON FUNCTION idem.citus_claim_locked_definition(text) IS 'The definition of <schema>.claim_locked (on Citus, each shard''s, made by idem.citus_shard_claims on the shard''s tables): idem.claim_batch''s statement that answers its locked keys, cut out between its -- <claim_locked> and -- </claim_locked> comments, its variables made parameters; NULL when the markers are not there once each or the statement names a variable that is not a parameter.';
+
+-- +goose StatementBegin
 CREATE OR REPLACE FUNCTION idem.citus_shard_claims() RETURNS SETOF text
     LANGUAGE plpgsql
     SET search_path = pg_catalog, pg_temp
@@ -79,6 +141,7 @@ DECLARE
     v_gone   integer := 0;
     v_stmt   text;
     v_bad    text;
+    v_locked_args constant text := 'text, text[], text[], text[], integer[], timestamp with time zone, date, date, date, interval, interval, boolean, boolean, bigint';
     s        record;
 BEGIN
     IF NOT idem.distributed() THEN
@@ -127,29 +190,21 @@ BEGIN
     -- (migration 30) idem_shard_<shard>.claim_locked: the one statement
     -- of idem.claim_batch that answers its locked keys (its probe of their
     -- rows, the insert of the new ones, the answer from the current
-    -- month: the statement after its locks, "FOR ar IN WITH p AS
-    -- MATERIALIZED ... FROM a"), cut out of idem.claim_batch's own
-    -- definition and put on the shard's tables, its variables made
-    -- parameters. idem.citus_claim_batch calls it for each shard of a
-    -- node's keys after taking all their locks, once it has read the
-    -- policy and the window for all of them. When the statement cannot be
-    -- found as expected (idem.claim_batch rewritten), or names a variable
-    -- that is not a parameter, no claim_locked is made (and those of an
-    -- older definition are dropped): idem.citus_claim_batch then claims
-    -- each shard's keys with the shard's copy of idem.claim_batch.
-    v_def := pg_get_functiondef('idem.claim_batch(text, text[], text[], interval, interval, text[], interval)'::regprocedure);
-    v_sum := md5(v_def);
-    v_stmt := substr(v_def, strpos(v_def, E'FOR ar IN\n') + 10);
-    v_stmt := left(v_stmt, strpos(v_stmt, E'\n        LOOP\n') - 1);
-    IF strpos(v_def, E'FOR ar IN\n') = 0 OR btrim(v_stmt) !~ '^WITH p AS MATERIALIZED \(' OR btrim(v_stmt) !~ '\mFROM a$' THEN
-        v_stmt := NULL;
-    ELSE
-        SELECT string_agg(DISTINCT m[1], ', ') INTO v_bad
-          FROM regexp_matches(v_stmt, '\m(v_[a-z_]+)', 'g') m
-         WHERE m[1] <> ALL (ARRAY['v_locked', 'v_now', 'v_lo', 'v_hi', 'v_cur', 'v_ttl', 'v_lease', 'v_adopting', 'v_base']);
-        IF v_bad IS NOT NULL THEN
-            v_stmt := NULL;
-        END IF;
+    -- month), cut out of idem.claim_batch's own definition between its
+    -- claim_locked markers (idem.citus_claim_locked_definition) and put on
+    -- the shard's tables, its variables made parameters.
+    -- idem.citus_claim_batch calls it for each shard of a node's keys
+    -- after taking all their locks, once it has read the policy and the
+    -- window for all of them. Made again when idem.claim_batch changed.
+    -- When the statement cannot be cut (its markers gone, or it names a
+    -- variable that is not a parameter), none is made (and those of an
+    -- older definition are dropped), and this says so:
+    -- idem.citus_claim_batch then claims each shard's keys with the
+    -- shard's copy of idem.claim_batch (the same answers, more slowly).
+    v_sum := md5(pg_get_functiondef('idem.claim_batch(text, text[], text[], interval, interval, text[], interval)'::regprocedure));
+    v_stmt := idem.citus_claim_locked_definition('idem');
+    IF v_stmt IS NULL THEN
+        RETURN NEXT 'made no claim_locked: idem.claim_batch has no statement between its -- <claim_locked> and -- </claim_locked> comments that names only claim_locked''s parameters; batches claim through the shards'' copies of claim_batch';
     END IF;
     FOR s IN SELECT pe.shardid, h.shardid AS holds_shard
                FROM pg_dist_shard pe
@@ -157,28 +212,18 @@ BEGIN
               WHERE pe.logicalrelid = 'idem.processed_events'::regclass
               ORDER BY pe.shardid LOOP
         v_schema := 'idem_shard_' || s.shardid;
-        v_fn := v_schema || '.claim_locked(text, text[], text[], text[], integer[], timestamp with time zone, date, date, date, interval, interval, boolean, bigint)';
-        IF v_stmt IS NULL THEN
-            IF to_regprocedure(v_fn) IS NOT NULL THEN
-                EXECUTE format('DROP FUNCTION %s', v_fn);
-            END IF;
-            CONTINUE;
-        END IF;
+        v_fn := v_schema || '.claim_locked(' || v_locked_args || ')';
+        -- A claim_locked with other parameters, or any when none is made.
+        FOR v_bad IN SELECT p.oid::regprocedure::text FROM pg_proc p
+                      WHERE p.pronamespace = to_regnamespace(v_schema) AND p.proname = 'claim_locked'
+                        AND (v_stmt IS NULL OR p.oid IS DISTINCT FROM to_regprocedure(v_fn)) LOOP
+            EXECUTE format('DROP FUNCTION %s', v_bad);
+        END LOOP;
+        CONTINUE WHEN v_stmt IS NULL;
         CONTINUE WHEN to_regprocedure(v_fn) IS NOT NULL
                   AND obj_description(to_regprocedure(v_fn), 'pg_proc') = 'idem: claim_locked ' || v_sum;
         EXECUTE format('CREATE SCHEMA IF NOT EXISTS %I', v_schema);
-        EXECUTE format($f$CREATE OR REPLACE FUNCTION %s.claim_locked(source text, keys text[], fingerprints text[], event_types text[],
-    v_locked integer[], v_now timestamptz, v_lo date, v_hi date, v_cur date, v_ttl interval, v_lease interval,
-    v_adopting boolean, v_base bigint)
-RETURNS TABLE (r_o integer, r_outcome text, r_token bigint, r_attempts integer, r_lease_at timestamptz, r_result jsonb,
-               r_error text, r_first_seen timestamptz, r_expires_at timestamptz, r_left interval, r_month date)
-    LANGUAGE plpgsql
-    SET search_path = pg_catalog, pg_temp
-    SET plan_cache_mode = force_generic_plan
-AS %L$f$, v_schema,
-            E'\n#variable_conflict use_column\nBEGIN\n    RETURN QUERY\n        '
-            || idem.citus_on_shard(replace(v_stmt, 'claim_batch.', 'claim_locked.'), s.shardid, s.holds_shard)
-            || E';\nEND\n');
+        EXECUTE idem.citus_on_shard(idem.citus_claim_locked_definition(v_schema), s.shardid, s.holds_shard);
         EXECUTE format('REVOKE ALL ON FUNCTION %s FROM PUBLIC', v_fn);
         EXECUTE format('COMMENT ON FUNCTION %s IS %L', v_fn, 'idem: claim_locked ' || v_sum);
         v_made := v_made + 1;
@@ -254,7 +299,7 @@ DECLARE
     f_ord      integer[];
     f_month    date[];
     c          record;
-    ar         record;
+    v_month    date;               -- the month of the row an answer was read from
 BEGIN
     IF v_n IS NULL OR v_n > 1000 OR citus_claim_batch.key IS NULL OR NOT (citus_claim_batch.key = ANY (citus_claim_batch.keys)) THEN
         -- The batch's own checks name the problem (ID009 over 1000).
@@ -305,7 +350,7 @@ BEGIN
         v_nfirst := cardinality(v_firsts);
         SELECT count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM pg_dist_placement p, pg_dist_local_group l
                                                    WHERE p.groupid = l.groupid AND p.shardid = x.s)),
-               count(*) FILTER (WHERE to_regprocedure('idem_shard_' || x.s || '.claim_locked(text, text[], text[], text[], integer[], timestamp with time zone, date, date, date, interval, interval, boolean, bigint)') IS NULL)
+               count(*) FILTER (WHERE to_regprocedure('idem_shard_' || x.s || '.claim_locked(text, text[], text[], text[], integer[], timestamp with time zone, date, date, date, interval, interval, boolean, boolean, bigint)') IS NULL)
           INTO v_away, v_nocore
           FROM (SELECT DISTINCT y.s FROM unnest(v_shards) y(s)) x;
         IF v_away > 0 THEN
@@ -379,27 +424,28 @@ BEGIN
             v_adopting := EXISTS (SELECT 1 FROM idem.adoptions a WHERE a.source = citus_claim_batch.source AND a.state = 'copying');
             v_base := idem.new_token();
             -- Each shard's locked keys by the shard's claim_locked, shard
-            -- after shard (all the node's locks are held already).
+            -- after shard (all the node's locks are held already), each
+            -- answer straight into the answer's columns, as idem.claim_batch
+            -- reads its statement (claim_locked's columns are its loop's).
+            -- Holds are looked for (v_holds), as the copies look for them.
             FOR g IN SELECT x.s AS shard, array_agg(x.o ORDER BY x.i) AS ords
                        FROM unnest(v_shards, v_ords) WITH ORDINALITY x(s, o, i)
                       WHERE x.o = ANY (v_locked)
                       GROUP BY x.s ORDER BY x.s LOOP
-                FOR ar IN EXECUTE format('SELECT * FROM idem_shard_%s.claim_locked($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)', g.shard)
-                           USING citus_claim_batch.source, citus_claim_batch.keys, citus_claim_batch.fingerprints,
-                                 citus_claim_batch.event_types, g.ords, v_now, v_lo, v_hi, v_cur, v_ttl, v_lease,
-                                 v_adopting, v_base LOOP
-                    ord := ar.r_o; outcome := ar.r_outcome; token := ar.r_token; attempt := ar.r_attempts;
-                    lease_expires_at := ar.r_lease_at; result := ar.r_result; error := ar.r_error;
-                    first_seen := ar.r_first_seen; expires_at := ar.r_expires_at; lease_remaining := ar.r_left;
+                FOR ord, outcome, token, attempt, lease_expires_at, result, error, first_seen, expires_at, lease_remaining, v_month IN
+                    EXECUTE format('SELECT * FROM idem_shard_%s.claim_locked($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)', g.shard)
+                      USING citus_claim_batch.source, citus_claim_batch.keys, citus_claim_batch.fingerprints,
+                            citus_claim_batch.event_types, g.ords, v_now, v_lo, v_hi, v_cur, v_ttl, v_lease,
+                            v_adopting, true, v_base LOOP
                     RETURN NEXT;
-                    a_ord := a_ord || ar.r_o;
-                    IF ar.r_outcome = 'acquired' THEN
+                    a_ord := a_ord || ord;
+                    IF outcome = 'acquired' THEN
                         v_acq := v_acq + 1;
-                    ELSIF ar.r_month IS NOT NULL THEN
+                    ELSIF v_month IS NOT NULL THEN
                         v_dups := v_dups + 1;
                         IF v_per_key THEN
-                            f_ord := f_ord || ar.r_o;
-                            f_month := f_month || ar.r_month;
+                            f_ord := f_ord || ord;
+                            f_month := f_month || v_month;
                         END IF;
                     END IF;
                 END LOOP;
@@ -563,6 +609,7 @@ BEGIN
 END
 $$;
 -- +goose StatementEnd
+DROP FUNCTION idem.citus_claim_locked_definition(text);
 -- idem.citus_shard_claims, idem.citus_claim_batch and idem.citus_batch_routes as migration 28 made them.
 -- +goose StatementBegin
 CREATE OR REPLACE FUNCTION idem.citus_shard_claims() RETURNS SETOF text

@@ -50,7 +50,7 @@ DECLARE
     f_ord      integer[];
     f_month    date[];
     c          record;
-    ar         record;
+    v_month    date;               -- the month of the row an answer was read from
 BEGIN
     IF v_n IS NULL OR v_n > 1000 OR citus_claim_batch.key IS NULL OR NOT (citus_claim_batch.key = ANY (citus_claim_batch.keys)) THEN
         -- The batch's own checks name the problem (ID009 over 1000).
@@ -101,7 +101,7 @@ BEGIN
         v_nfirst := cardinality(v_firsts);
         SELECT count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM pg_dist_placement p, pg_dist_local_group l
                                                    WHERE p.groupid = l.groupid AND p.shardid = x.s)),
-               count(*) FILTER (WHERE to_regprocedure('idem_shard_' || x.s || '.claim_locked(text, text[], text[], text[], integer[], timestamp with time zone, date, date, date, interval, interval, boolean, bigint)') IS NULL)
+               count(*) FILTER (WHERE to_regprocedure('idem_shard_' || x.s || '.claim_locked(text, text[], text[], text[], integer[], timestamp with time zone, date, date, date, interval, interval, boolean, boolean, bigint)') IS NULL)
           INTO v_away, v_nocore
           FROM (SELECT DISTINCT y.s FROM unnest(v_shards) y(s)) x;
         IF v_away > 0 THEN
@@ -175,27 +175,28 @@ BEGIN
             v_adopting := EXISTS (SELECT 1 FROM idem.adoptions a WHERE a.source = citus_claim_batch.source AND a.state = 'copying');
             v_base := idem.new_token();
             -- Each shard's locked keys by the shard's claim_locked, shard
-            -- after shard (all the node's locks are held already).
+            -- after shard (all the node's locks are held already), each
+            -- answer straight into the answer's columns, as idem.claim_batch
+            -- reads its statement (claim_locked's columns are its loop's).
+            -- Holds are looked for (v_holds), as the copies look for them.
             FOR g IN SELECT x.s AS shard, array_agg(x.o ORDER BY x.i) AS ords
                        FROM unnest(v_shards, v_ords) WITH ORDINALITY x(s, o, i)
                       WHERE x.o = ANY (v_locked)
                       GROUP BY x.s ORDER BY x.s LOOP
-                FOR ar IN EXECUTE format('SELECT * FROM idem_shard_%s.claim_locked($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)', g.shard)
-                           USING citus_claim_batch.source, citus_claim_batch.keys, citus_claim_batch.fingerprints,
-                                 citus_claim_batch.event_types, g.ords, v_now, v_lo, v_hi, v_cur, v_ttl, v_lease,
-                                 v_adopting, v_base LOOP
-                    ord := ar.r_o; outcome := ar.r_outcome; token := ar.r_token; attempt := ar.r_attempts;
-                    lease_expires_at := ar.r_lease_at; result := ar.r_result; error := ar.r_error;
-                    first_seen := ar.r_first_seen; expires_at := ar.r_expires_at; lease_remaining := ar.r_left;
+                FOR ord, outcome, token, attempt, lease_expires_at, result, error, first_seen, expires_at, lease_remaining, v_month IN
+                    EXECUTE format('SELECT * FROM idem_shard_%s.claim_locked($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)', g.shard)
+                      USING citus_claim_batch.source, citus_claim_batch.keys, citus_claim_batch.fingerprints,
+                            citus_claim_batch.event_types, g.ords, v_now, v_lo, v_hi, v_cur, v_ttl, v_lease,
+                            v_adopting, true, v_base LOOP
                     RETURN NEXT;
-                    a_ord := a_ord || ar.r_o;
-                    IF ar.r_outcome = 'acquired' THEN
+                    a_ord := a_ord || ord;
+                    IF outcome = 'acquired' THEN
                         v_acq := v_acq + 1;
-                    ELSIF ar.r_month IS NOT NULL THEN
+                    ELSIF v_month IS NOT NULL THEN
                         v_dups := v_dups + 1;
                         IF v_per_key THEN
-                            f_ord := f_ord || ar.r_o;
-                            f_month := f_month || ar.r_month;
+                            f_ord := f_ord || ord;
+                            f_month := f_month || v_month;
                         END IF;
                     END IF;
                 END LOOP;

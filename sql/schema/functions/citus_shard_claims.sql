@@ -22,6 +22,7 @@ DECLARE
     v_gone   integer := 0;
     v_stmt   text;
     v_bad    text;
+    v_locked_args constant text := 'text, text[], text[], text[], integer[], timestamp with time zone, date, date, date, interval, interval, boolean, boolean, bigint';
     s        record;
 BEGIN
     IF NOT idem.distributed() THEN
@@ -70,29 +71,21 @@ BEGIN
     -- (migration 30) idem_shard_<shard>.claim_locked: the one statement
     -- of idem.claim_batch that answers its locked keys (its probe of their
     -- rows, the insert of the new ones, the answer from the current
-    -- month: the statement after its locks, "FOR ar IN WITH p AS
-    -- MATERIALIZED ... FROM a"), cut out of idem.claim_batch's own
-    -- definition and put on the shard's tables, its variables made
-    -- parameters. idem.citus_claim_batch calls it for each shard of a
-    -- node's keys after taking all their locks, once it has read the
-    -- policy and the window for all of them. When the statement cannot be
-    -- found as expected (idem.claim_batch rewritten), or names a variable
-    -- that is not a parameter, no claim_locked is made (and those of an
-    -- older definition are dropped): idem.citus_claim_batch then claims
-    -- each shard's keys with the shard's copy of idem.claim_batch.
-    v_def := pg_get_functiondef('idem.claim_batch(text, text[], text[], interval, interval, text[], interval)'::regprocedure);
-    v_sum := md5(v_def);
-    v_stmt := substr(v_def, strpos(v_def, E'FOR ar IN\n') + 10);
-    v_stmt := left(v_stmt, strpos(v_stmt, E'\n        LOOP\n') - 1);
-    IF strpos(v_def, E'FOR ar IN\n') = 0 OR btrim(v_stmt) !~ '^WITH p AS MATERIALIZED \(' OR btrim(v_stmt) !~ '\mFROM a$' THEN
-        v_stmt := NULL;
-    ELSE
-        SELECT string_agg(DISTINCT m[1], ', ') INTO v_bad
-          FROM regexp_matches(v_stmt, '\m(v_[a-z_]+)', 'g') m
-         WHERE m[1] <> ALL (ARRAY['v_locked', 'v_now', 'v_lo', 'v_hi', 'v_cur', 'v_ttl', 'v_lease', 'v_adopting', 'v_base']);
-        IF v_bad IS NOT NULL THEN
-            v_stmt := NULL;
-        END IF;
+    -- month), cut out of idem.claim_batch's own definition between its
+    -- claim_locked markers (idem.citus_claim_locked_definition) and put on
+    -- the shard's tables, its variables made parameters.
+    -- idem.citus_claim_batch calls it for each shard of a node's keys
+    -- after taking all their locks, once it has read the policy and the
+    -- window for all of them. Made again when idem.claim_batch changed.
+    -- When the statement cannot be cut (its markers gone, or it names a
+    -- variable that is not a parameter), none is made (and those of an
+    -- older definition are dropped), and this says so:
+    -- idem.citus_claim_batch then claims each shard's keys with the
+    -- shard's copy of idem.claim_batch (the same answers, more slowly).
+    v_sum := md5(pg_get_functiondef('idem.claim_batch(text, text[], text[], interval, interval, text[], interval)'::regprocedure));
+    v_stmt := idem.citus_claim_locked_definition('idem');
+    IF v_stmt IS NULL THEN
+        RETURN NEXT 'made no claim_locked: idem.claim_batch has no statement between its -- <claim_locked> and -- </claim_locked> comments that names only claim_locked''s parameters; batches claim through the shards'' copies of claim_batch';
     END IF;
     FOR s IN SELECT pe.shardid, h.shardid AS holds_shard
                FROM pg_dist_shard pe
@@ -100,28 +93,18 @@ BEGIN
               WHERE pe.logicalrelid = 'idem.processed_events'::regclass
               ORDER BY pe.shardid LOOP
         v_schema := 'idem_shard_' || s.shardid;
-        v_fn := v_schema || '.claim_locked(text, text[], text[], text[], integer[], timestamp with time zone, date, date, date, interval, interval, boolean, bigint)';
-        IF v_stmt IS NULL THEN
-            IF to_regprocedure(v_fn) IS NOT NULL THEN
-                EXECUTE format('DROP FUNCTION %s', v_fn);
-            END IF;
-            CONTINUE;
-        END IF;
+        v_fn := v_schema || '.claim_locked(' || v_locked_args || ')';
+        -- A claim_locked with other parameters, or any when none is made.
+        FOR v_bad IN SELECT p.oid::regprocedure::text FROM pg_proc p
+                      WHERE p.pronamespace = to_regnamespace(v_schema) AND p.proname = 'claim_locked'
+                        AND (v_stmt IS NULL OR p.oid IS DISTINCT FROM to_regprocedure(v_fn)) LOOP
+            EXECUTE format('DROP FUNCTION %s', v_bad);
+        END LOOP;
+        CONTINUE WHEN v_stmt IS NULL;
         CONTINUE WHEN to_regprocedure(v_fn) IS NOT NULL
                   AND obj_description(to_regprocedure(v_fn), 'pg_proc') = 'idem: claim_locked ' || v_sum;
         EXECUTE format('CREATE SCHEMA IF NOT EXISTS %I', v_schema);
-        EXECUTE format($f$CREATE OR REPLACE FUNCTION %s.claim_locked(source text, keys text[], fingerprints text[], event_types text[],
-    v_locked integer[], v_now timestamptz, v_lo date, v_hi date, v_cur date, v_ttl interval, v_lease interval,
-    v_adopting boolean, v_base bigint)
-RETURNS TABLE (r_o integer, r_outcome text, r_token bigint, r_attempts integer, r_lease_at timestamptz, r_result jsonb,
-               r_error text, r_first_seen timestamptz, r_expires_at timestamptz, r_left interval, r_month date)
-    LANGUAGE plpgsql
-    SET search_path = pg_catalog, pg_temp
-    SET plan_cache_mode = force_generic_plan
-AS %L$f$, v_schema,
-            E'\n#variable_conflict use_column\nBEGIN\n    RETURN QUERY\n        '
-            || idem.citus_on_shard(replace(v_stmt, 'claim_batch.', 'claim_locked.'), s.shardid, s.holds_shard)
-            || E';\nEND\n');
+        EXECUTE idem.citus_on_shard(idem.citus_claim_locked_definition(v_schema), s.shardid, s.holds_shard);
         EXECUTE format('REVOKE ALL ON FUNCTION %s FROM PUBLIC', v_fn);
         EXECUTE format('COMMENT ON FUNCTION %s IS %L', v_fn, 'idem: claim_locked ' || v_sum);
         v_made := v_made + 1;

@@ -464,7 +464,17 @@ BEGIN
             -- an expired row in the current month, a key while its source's
             -- legacy table is adopted) is idem.claim's, below. Each answer is
             -- returned as the statement yields it.
+            -- On Citus the statement is also each shard's claim_locked
+            -- (migration 30): idem.citus_claim_locked_definition cuts out
+            -- the lines between the two claim_locked markers below (keep
+            -- them around the whole statement, and nowhere else). It may
+            -- use only claim_batch.source, .keys, .fingerprints and
+            -- .event_types and the variables v_locked, v_now, v_lo, v_hi,
+            -- v_cur, v_ttl, v_lease, v_adopting, v_holds and v_base (else no
+            -- claim_locked is made), and its columns are those of this
+            -- loop's targets (claim_locked returns them).
             FOR ord, outcome, token, attempt, lease_expires_at, result, error, first_seen, expires_at, lease_remaining, v_month IN
+            -- <claim_locked>
             WITH p AS MATERIALIZED (
                 SELECT l.o, claim_batch.keys[l.o] AS k, e.*,
                        CASE WHEN e.status IS NULL AND NOT v_adopting THEN h.held IS NOT NULL END AS held,
@@ -543,6 +553,7 @@ BEGIN
             SELECT a.o, a.outcome, a.token, a.attempts, a.lease_at, a.result, a.error, a.first_seen, a.expires_at,
                    a.left_, a.month
               FROM a
+            -- </claim_locked>
             LOOP
                 RETURN NEXT;
                 a_ord := a_ord || ord;
