@@ -424,17 +424,20 @@ BEGIN
         -- statement inserts into the current month, in position order, the
         -- keys with no live row in the window's other months (each an index
         -- lookup, as below) and, for a source that has had holds, no queue
-        -- hold; each inserted key is answered acquired as the statement
-        -- yields it (into the answer's columns: no step per field). A
-        -- batch of new keys ends here. The positions it did not insert (a
-        -- row in the window, a hold, an expired row in the current month, a
-        -- repeated key's later positions, which meet its first; all of them
-        -- if an adoption started meanwhile) go on as below: each distinct
-        -- key at its first position by the statement that answers locked
-        -- keys, the repeated ones at the end.
+        -- hold, and answers each position as it yields it (into the
+        -- answer's columns: no step per field): an inserted key acquired, a
+        -- key with a settled live row in the window (a duplicate, in this
+        -- month or another) from that row. A batch of new keys, or of new
+        -- keys and duplicates, ends here. The positions without an answer
+        -- (a lost lease or retryable failure to take over, a hold, an
+        -- expired row in the current month, a repeated new key's later
+        -- positions, which meet its first; all of them if an adoption
+        -- started meanwhile) go on as below: each distinct key at its first
+        -- position by the statement that answers locked keys, the repeated
+        -- ones at the end.
         IF v_lean THEN
             IF NOT v_adopting THEN
-                FOR ord, outcome, token, attempt, lease_expires_at, result, error, first_seen, expires_at, lease_remaining IN
+                FOR ord, outcome, token, attempt, lease_expires_at, result, error, first_seen, expires_at, lease_remaining, v_month IN
                 WITH ins AS (
                     INSERT INTO idem.processed_events AS e
                            (source, key, first_seen_month, event_type, status, attempts, token,
@@ -463,31 +466,63 @@ BEGIN
                      WHERE w.found IS NULL AND h.held IS NULL
                      ORDER BY u.o
                     ON CONFLICT DO NOTHING
-                    RETURNING e.key, e.token, e.lease_expires_at, e.first_seen, e.expires_at)
-                SELECT u.o::integer, CASE WHEN i.key IS NOT NULL THEN 'acquired' END, i.token, 1, i.lease_expires_at,
-                       NULL::jsonb, NULL::text, i.first_seen, i.expires_at, v_lease
+                    RETURNING e.key, e.token, e.attempts, e.lease_expires_at, e.first_seen, e.expires_at)
+                SELECT u.o::integer, coalesce(CASE WHEN i.key IS NOT NULL THEN 'acquired' END, r.settled),
+                       i.token, coalesce(i.attempts, r.attempts),
+                       CASE WHEN i.key IS NOT NULL THEN i.lease_expires_at
+                            WHEN r.settled IN ('in_progress', 'mismatch') THEN r.lease_expires_at END,
+                       CASE WHEN r.settled = 'completed' THEN r.result END,
+                       CASE WHEN r.settled IN ('failed', 'completed') THEN r.last_error END,
+                       coalesce(i.first_seen, r.first_seen), coalesce(i.expires_at, r.expires_at),
+                       CASE WHEN i.key IS NOT NULL THEN v_lease
+                            WHEN r.settled = 'in_progress' THEN greatest(r.lease_expires_at - v_now, interval '0') END,
+                       r.first_seen_month
                   FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o)
                   LEFT JOIN ins i ON i.key = u.k AND i.token = greatest(v_base # (u.o * 2654435761), 1)
+                  -- A key not inserted: its live row in the window (as the
+                  -- statement's snapshot has it, without the rows the
+                  -- statement inserts), answered when settled.
+                  LEFT JOIN LATERAL (
+                      SELECT x.first_seen_month, x.attempts, x.lease_expires_at, x.result, x.last_error, x.first_seen, x.expires_at,
+                             idem.settled_outcome(x.status, x.retryable, x.lease_expires_at, x.fingerprint,
+                                                  claim_batch.fingerprints[u.o], v_now) AS settled
+                        FROM idem.processed_events x
+                       WHERE i.key IS NULL AND x.source = claim_batch.source AND x.key = u.k
+                         AND x.first_seen_month >= v_lo AND x.first_seen_month <= v_hi
+                         AND x.expires_at > v_now
+                       LIMIT 1) r ON true
                 LOOP
                     IF outcome IS NULL THEN
                         v_rest := v_rest || ord;
                         CONTINUE;
                     END IF;
                     RETURN NEXT;
-                    v_acq := v_acq + 1;
+                    IF outcome = 'acquired' THEN
+                        v_acq := v_acq + 1;
+                    ELSE
+                        -- An answer read from a row: a duplicate (counted below).
+                        v_dups := v_dups + 1;
+                        IF v_per_key THEN
+                            f_ord := f_ord || ord;
+                            f_month := f_month || v_month;
+                        END IF;
+                    END IF;
                 END LOOP;
             END IF;
-            IF v_acq = v_n THEN
+            IF cardinality(v_rest) = 0 AND NOT v_adopting THEN
                 v_nfirst := v_n;
             ELSE
-                -- Each distinct key's first position, and those of them
-                -- not inserted (to be answered as below): all of them when
-                -- an adoption started between the two reads of the settings.
-                SELECT array_agg(d.o), coalesce(array_agg(d.o) FILTER (WHERE v_adopting OR d.o = ANY (v_rest)), '{}')
-                  INTO v_firsts, v_locked
-                  FROM (SELECT min(u.o)::integer AS o
-                          FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o)
-                         GROUP BY u.k) d;
+                -- The positions without an answer (all of them when an
+                -- adoption started between the two reads of the settings):
+                -- each distinct key's first one is answered below as a
+                -- locked key, a repeated key's later ones at the end (every
+                -- position answered already counts as a first: the end
+                -- skips it).
+                SELECT coalesce(array_agg(g.o) FILTER (WHERE g.o = g.f AND (v_adopting OR g.o = ANY (v_rest))), '{}'),
+                       array_agg(g.o) FILTER (WHERE g.o = g.f OR NOT (v_adopting OR g.o = ANY (v_rest)))
+                  INTO v_locked, v_firsts
+                  FROM (SELECT u.o::integer AS o, min(u.o) OVER (PARTITION BY u.k)::integer AS f
+                          FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o)) g;
                 v_nfirst := cardinality(v_firsts);
             END IF;
         END IF;
