@@ -21,7 +21,8 @@
 --   idem.citus_claim_locked_definition(schema) makes the definition, or
 --   NULL when the markers are not there once each or the statement names
 --   a variable that is not a parameter; then none is made, and
---   idem.citus_shard_claims() says so (migrate.Citus, idemctl citus).
+--   idem.citus_shard_claims() says so (migrate.Citus and idemctl migrate
+--   up --citus print it).
 -- * idem.citus_on_shard(definition, shard, holds shard): a definition with
 --   idem's distributed and reference tables replaced by the shard's
 --   tables, as citus_shard_claims did inline for its copies.
