@@ -148,6 +148,19 @@ BEGIN
     IF NOT idem.distributed() THEN
         RETURN;
     END IF;
+    -- (migration 30) idem.citus_claim_batch counts its node's duplicates
+    -- itself, so it runs with idem.citus on (idem.claim_weight: the secret
+    -- that signs its sampled minute is not on the workers), as the copies
+    -- do. Set here, on Citus only, not in its CREATE FUNCTION: there
+    -- PostgreSQL 15 refuses a custom parameter to a migrator that is not
+    -- a superuser ("permission denied to set parameter", on every
+    -- installation, single nodes included), and a single node never calls
+    -- it.
+    IF NOT EXISTS (SELECT 1 FROM pg_proc p
+                    WHERE p.oid = 'idem.citus_claim_batch(text, text, text[], text[], interval, interval, text[], interval)'::regprocedure
+                      AND 'idem.citus=on' = ANY (p.proconfig)) THEN
+        ALTER FUNCTION idem.citus_claim_batch(text, text, text[], text[], interval, interval, text[], interval) SET idem.citus = on;
+    END IF;
     FOREACH v_f IN ARRAY v_fns LOOP
         SELECT p.proname, '(' || oidvectortypes(p.proargtypes) || ')' INTO v_name, v_args
           FROM pg_proc p WHERE p.oid = v_f;
@@ -247,7 +260,7 @@ BEGIN
 END
 $$;
 -- +goose StatementEnd
-COMMENT ON FUNCTION idem.citus_shard_claims() IS 'On Citus (run by idem.citus_setup): for each shard of idem.processed_events, idem_shard_<shard>.claim_general and .claim_batch, idem.claim_general''s and idem.claim_batch''s definitions on that shard''s tables, and .claim_locked, idem.claim_batch''s statement that answers its locked keys, made again when they changed; the schemas of shards that are gone are dropped.';
+COMMENT ON FUNCTION idem.citus_shard_claims() IS 'On Citus (run by idem.citus_setup): for each shard of idem.processed_events, idem_shard_<shard>.claim_general and .claim_batch, idem.claim_general''s and idem.claim_batch''s definitions on that shard''s tables, and .claim_locked, idem.claim_batch''s statement that answers its locked keys, made again when they changed; the schemas of shards that are gone are dropped; idem.citus_claim_batch set to run with idem.citus on.';
 
 -- +goose StatementBegin
 CREATE OR REPLACE FUNCTION idem.citus_claim_batch(key text, source text, keys text[], fingerprints text[] DEFAULT NULL::text[], ttl interval DEFAULT NULL::interval, lease interval DEFAULT NULL::interval, event_types text[] DEFAULT NULL::text[], lock_wait interval DEFAULT NULL::interval)
@@ -255,8 +268,8 @@ RETURNS TABLE(ord integer, outcome text, token bigint, attempt integer, lease_ex
     LANGUAGE plpgsql
     SECURITY DEFINER
     SET search_path = pg_catalog, pg_temp
-    -- (idem.claim_weight, when it counts duplicates: on Citus)
-    SET idem.citus = on
+    -- (On Citus, idem.citus_shard_claims() adds SET idem.citus = on, for
+    -- idem.claim_weight when it counts duplicates.)
 AS $$
 #variable_conflict use_column
 DECLARE

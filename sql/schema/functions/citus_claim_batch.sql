@@ -6,7 +6,6 @@ CREATE OR REPLACE FUNCTION idem.citus_claim_batch(key text, source text, keys te
  LANGUAGE plpgsql
  SECURITY DEFINER
  SET search_path TO 'pg_catalog', 'pg_temp'
- SET "idem.citus" TO 'on'
 AS $function$
 #variable_conflict use_column
 DECLARE
