@@ -737,3 +737,99 @@ func TestDoBatchHeartbeat(t *testing.T) {
 		t.Fatalf("%+v %v", res, err)
 	}
 }
+
+// TestClaimBatchLockOrder: a batch never holds a later key's lock (in the
+// global order: by the lock's key, then position) while it waits for an
+// earlier one. One key of a batch of new keys (and repeated keys) is held
+// by another open transaction; while the batch waits for it, the locks the
+// batch's backend holds (pg_locks) are exactly its keys before the busy
+// one in that order. (Migration 29's short path takes every lock of a
+// batch in one statement: a lock tried in the batch's own order, or
+// after a busy one, shows here.) Then the holder commits, and every key is
+// answered.
+func TestClaimBatchLockOrder(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, c := setup(t)
+	keys := make([]string, 0, 41)
+	for i := range 40 {
+		keys = append(keys, fmt.Sprintf("order-%d", i))
+	}
+	keys = append(keys, "order-3", "order-30") // repeated keys
+	// The busy key: the one in the middle of the lock order.
+	var busy string
+	if err := pool.QueryRow(ctx, `SELECT k FROM unnest($1::text[]) k ORDER BY hashtext('lo' || chr(31) || k), k OFFSET 20 LIMIT 1`, keys).Scan(&busy); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	held, err := c.WithTx(tx).Claim(ctx, "lo", busy)
+	if err != nil || held.Outcome != idem.Acquired {
+		t.Fatalf("%+v %v", held, err)
+	}
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	var pid int
+	if err := conn.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	var outcomes []string
+	go func() {
+		rows, err := conn.Query(ctx, `SELECT outcome FROM idem.claim_batch('lo', $1, lock_wait => '1 minute') ORDER BY ord`, keys)
+		if err == nil {
+			outcomes, err = pgx.CollectRows(rows, pgx.RowTo[string])
+		}
+		done <- err
+	}()
+	for {
+		var waiting bool
+		if err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND wait_event = 'PgSleep')`, pid).Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		if waiting {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	// The batch's advisory locks of idem's key class (pg_locks shows a
+	// lock key as an oid), against the keys before the busy one.
+	var got, want []string
+	if err := pool.QueryRow(ctx, `
+		WITH k AS (SELECT DISTINCT u.k, ((hashtext('lo' || chr(31) || u.k)::bigint + 4294967296) % 4294967296)::text AS lk,
+		                  hashtext('lo' || chr(31) || u.k) AS h
+		             FROM unnest($1::text[]) u(k))
+		SELECT coalesce((SELECT array_agg(k.k ORDER BY k.k) FROM pg_locks l JOIN k ON l.objid::text = k.lk
+		                  WHERE l.pid = $2 AND l.locktype = 'advisory' AND l.classid::bigint = 1768187245 AND l.granted), '{}'),
+		       coalesce((SELECT array_agg(k.k ORDER BY k.k) FROM k, k b
+		                  WHERE b.k = $3 AND (k.h, k.k) < (b.h, b.k)), '{}')`, keys, pid, busy).Scan(&got, &want); err != nil {
+		t.Fatal(err)
+	}
+	if strings.Join(got, ",") != strings.Join(want, ",") || len(want) == 0 {
+		t.Errorf("while waiting for %s the batch holds the locks of\n%v\nwant the keys before it in the lock order\n%v", busy, got, want)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	for i, o := range outcomes {
+		want := "acquired"
+		if i >= 40 {
+			want = "in_progress" // a repeated key: a duplicate of its first position, acquired by this transaction
+		}
+		if keys[i] == busy {
+			want = "in_progress" // the holder's lease
+		}
+		if o != want {
+			t.Errorf("%s (item %d): %s, want %s", keys[i], i, o, want)
+		}
+	}
+}

@@ -20,7 +20,17 @@ import (
 // tables: every change of that state, committed on one connection, is
 // seen by the very next claim on another, while other claims of the same
 // sources keep the short path busy.
-func TestClaimSeesStateChanges(t *testing.T) {
+func TestClaimSeesStateChanges(t *testing.T) { testClaimSeesStateChanges(t, false) }
+
+// TestClaimBatchSeesStateChanges checks idem.claim_batch's short path
+// (migration 29) the same way: every claim, of the load and of each step,
+// is a batch (the step's key first, then a new key, so the batch takes its
+// locks at once and inserts its new keys in one statement when its source
+// allows it), and every change is seen by the very next batch on another
+// connection.
+func TestClaimBatchSeesStateChanges(t *testing.T) { testClaimSeesStateChanges(t, true) }
+
+func testClaimSeesStateChanges(t *testing.T, batch bool) {
 	ctx := context.Background()
 	url := testdb.New(t)
 	pool := testdb.Pool(t, url, 16)
@@ -42,8 +52,12 @@ func TestClaimSeesStateChanges(t *testing.T) {
 		var a answer
 		var tok *int64
 		var first, exp *time.Time
-		if err := q.QueryRow(ctx, `SELECT outcome, token, first_seen, expires_at FROM idem.claim($1, $2`+more+`)`, source, key).
-			Scan(&a.outcome, &tok, &first, &exp); err != nil {
+		sql, args := `SELECT outcome, token, first_seen, expires_at FROM idem.claim($1, $2`+more+`)`, []any{source, key}
+		if batch {
+			sql = `SELECT outcome, token, first_seen, expires_at FROM idem.claim_batch($1, ARRAY[$2, $3]` + more + `) WHERE ord = 1`
+			args = append(args, fmt.Sprintf("%s-with-%d", key, time.Now().UnixNano()))
+		}
+		if err := q.QueryRow(ctx, sql, args...).Scan(&a.outcome, &tok, &first, &exp); err != nil {
 			t.Fatalf("claim %s/%s: %v", source, key, err)
 		}
 		if tok != nil {
@@ -70,7 +84,11 @@ func TestClaimSeesStateChanges(t *testing.T) {
 			for i := 0; loadCtx.Err() == nil; i++ {
 				src := sources[i%len(sources)]
 				key := fmt.Sprintf("load-%d-%d", w, i%50) // duplicates after the first 50
-				if _, err := pool.Exec(loadCtx, `SELECT idem.claim($1, $2)`, src, key); err != nil && loadCtx.Err() == nil {
+				sql, args := `SELECT idem.claim($1, $2)`, []any{src, key}
+				if batch { // the key, a new one, and the key again
+					sql, args = `SELECT count(*) FROM idem.claim_batch($1, ARRAY[$2, $3, $2])`, append(args, fmt.Sprintf("load-%d-new-%d", w, i))
+				}
+				if _, err := pool.Exec(loadCtx, sql, args...); err != nil && loadCtx.Err() == nil {
 					loadErr.Store(err)
 					return
 				}
@@ -267,4 +285,43 @@ func settingsDiff(ctx context.Context, t *testing.T, pool *pgxpool.Pool) string 
 		return "empty"
 	}
 	return ""
+}
+
+// TestClaimBatchAdoptionBetweenItsReads: a batch on the short path reads
+// its source's settings twice, before its locks and under them. An
+// adoption the first read did not see and the second does (here: the
+// source has no settings row of its own, so the first read takes the
+// default's, with no adoption, and the batch's own write of the source's
+// row finds the adoption in progress) makes the batch insert nothing at
+// once: every key is answered as under an adoption (the legacy table's
+// keys completed, repeated ones too, the others acquired).
+func TestClaimBatchAdoptionBetweenItsReads(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t, testdb.New(t), 4)
+	exec := func(sql string, args ...any) {
+		t.Helper()
+		if _, err := pool.Exec(ctx, sql, args...); err != nil {
+			t.Fatalf("%s: %v", sql, err)
+		}
+	}
+	exec(`CREATE TABLE public.legacy_between (k text PRIMARY KEY, at timestamptz NOT NULL);
+		INSERT INTO public.legacy_between VALUES ('leg', now() - interval '1 hour')`)
+	exec(`SELECT idem.adopt_start('between', 'public.legacy_between', 'k', 'at')`)
+	exec(`DELETE FROM idem.claim_settings WHERE source = 'between'`)
+	rows, err := pool.Query(ctx, `SELECT outcome FROM idem.claim_batch('between', ARRAY['new1', 'leg', 'new2', 'leg']) ORDER BY ord`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []string{"acquired", "completed", "acquired", "completed"}; fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("the batch answered %v, want %v", got, want)
+	}
+	var adopting bool
+	if err := pool.QueryRow(ctx, `SELECT adopting FROM idem.claim_settings WHERE source = 'between'`).Scan(&adopting); err != nil || !adopting {
+		t.Errorf("the batch's write of the source's settings: adopting %v (%v), want true", adopting, err)
+	}
 }

@@ -46,7 +46,13 @@ EOF
     if [ "$(P -p $p -d postgres -c "SELECT count(*) FROM pg_database WHERE datname = 'idem'")" = 0 ]; then
       P -p $p -d postgres -c "CREATE DATABASE idem"
     fi
-    P -p $p -d idem -c "CREATE EXTENSION IF NOT EXISTS citus" -c "CREATE EXTENSION IF NOT EXISTS pg_stat_statements"
+    # Only where missing: once a worker is added, Citus refuses CREATE EXTENSION there,
+    # IF NOT EXISTS or not ("operation is not allowed on this node"), so a second start failed.
+    for e in citus pg_stat_statements; do
+      if [ "$(P -p $p -d idem -c "SELECT count(*) FROM pg_extension WHERE extname = '$e'")" = 0 ]; then
+        P -p $p -d idem -c "CREATE EXTENSION $e"
+      fi
+    done
   done
   P -p 9700 -d idem -c "SELECT citus_set_coordinator_host('127.0.0.1', 9700)" >/dev/null
   for p in 9701 9702; do

@@ -8,6 +8,9 @@
 # workers 9701 and 9702, data under $CITUS_DIR, default /tmp/idem-citus).
 #
 #   bash bench/citus-cluster.sh start && bash bench/citus.sh [seconds] [rounds] [warm-up seconds]
+#
+# DBS (default "idem_single idem_w1 idem_w2") and PATHS (default "claim8 claim32 go batch")
+# run a part: e.g. DBS=idem_w1 PATHS="go batch" bash bench/citus.sh 10 3 5.
 set -e
 cd "$(dirname "$0")/.."
 T=${1:-20}      # seconds measured
@@ -58,12 +61,18 @@ pgb() { pgbench -n -M prepared -P 1 -f bench/pgbench/claim_new_param.sql -c "$2"
 (cd bench && go build -o /tmp/idem-citusbatch ./citusbatch)
 gob() { /tmp/idem-citusbatch -database-url "postgres://postgres@127.0.0.1:9700/$1" -batch "$2" -clients 8 -warmup "${W}s" -duration "${T}s"; }
 
+DBS=${DBS:-idem_single idem_w1 idem_w2}
+PATHS=${PATHS:-claim8 claim32 go batch}
 for round in $(seq 1 "$ROUNDS"); do
-  for db in idem_single idem_w1 idem_w2; do
-    for c in 8 32; do
-      measure $db "claim c=$c" pgb $db $c
+  for db in $DBS; do
+    for p in $PATHS; do
+      case $p in
+      claim8) measure $db "claim c=8" pgb $db 8 ;;
+      claim32) measure $db "claim c=32" pgb $db 32 ;;
+      go) measure $db "Claim (Go) c=8" gob $db 1 ;;
+      batch) measure $db "ClaimBatch 100" gob $db 100 ;;
+      *) echo "citus.sh: unknown path $p (claim8, claim32, go, batch)" >&2; exit 2 ;;
+      esac
     done
-    measure $db "Claim (Go) c=8" gob $db 1
-    measure $db "ClaimBatch 100" gob $db 100
   done
 done

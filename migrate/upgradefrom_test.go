@@ -36,6 +36,10 @@ func TestUpgradeFrom23EveryState(t *testing.T) { testUpgradeEveryState(t, 23) }
 // TestUpgradeFrom26EveryState: the same, from version 26.
 func TestUpgradeFrom26EveryState(t *testing.T) { testUpgradeEveryState(t, 26) }
 
+// TestUpgradeFrom28EveryState: the same, from version 28 (the batch's
+// short path, migration 29: every key answers its batch as before too).
+func TestUpgradeFrom28EveryState(t *testing.T) { testUpgradeEveryState(t, 28) }
+
 func testUpgradeEveryState(t *testing.T, from int64) {
 	t.Parallel()
 	ctx := context.Background()

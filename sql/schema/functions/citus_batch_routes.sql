@@ -15,11 +15,16 @@ BEGIN
     END IF;
     -- The batch's positions by the node that holds their key, and one of
     -- the node's keys: the call of idem.citus_claim_batch with it as its
-    -- key is delegated to that node.
+    -- key is delegated to that node. (migration 30) Each key's shard is
+    -- computed once, then joined: in the join's condition it was computed
+    -- again for every placement of every table (a batch of 100 keys cost
+    -- the coordinator about 10 ms with 233 placements).
     RETURN QUERY
-    SELECT min(u.k), array_agg(u.o::integer ORDER BY u.o)
-      FROM unnest(citus_batch_routes.keys) WITH ORDINALITY u(k, o)
-      JOIN pg_dist_placement p ON p.shardid = get_shard_id_for_distribution_column('idem.processed_events', u.k)
+    WITH k AS MATERIALIZED (
+        SELECT u.k, u.o, get_shard_id_for_distribution_column('idem.processed_events', u.k) AS s
+          FROM unnest(citus_batch_routes.keys) WITH ORDINALITY u(k, o))
+    SELECT min(k.k), array_agg(k.o::integer ORDER BY k.o)
+      FROM k JOIN pg_dist_placement p ON p.shardid = k.s
      GROUP BY p.groupid
      ORDER BY p.groupid;
 END

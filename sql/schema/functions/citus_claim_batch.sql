@@ -9,12 +9,47 @@ CREATE OR REPLACE FUNCTION idem.citus_claim_batch(key text, source text, keys te
 AS $function$
 #variable_conflict use_column
 DECLARE
-    v_until timestamptz := clock_timestamp() + coalesce(citus_claim_batch.lock_wait, interval '5 seconds');
-    v_n     integer := cardinality(citus_claim_batch.keys);
-    v_copy  text;
-    g       record;
-    r       record;
-    v_i     integer;
+    v_iso      text := current_setting('transaction_isolation');
+    v_until    timestamptz := clock_timestamp() + coalesce(citus_claim_batch.lock_wait, interval '5 seconds');
+    v_n        integer := cardinality(citus_claim_batch.keys);
+    v_copy     text;
+    g          record;
+    r          record;
+    v_i        integer;
+    -- The node's path (below): the distinct keys' first positions in lock
+    -- order, their lock keys and shards; what idem.claim_batch keeps.
+    v_ords     integer[];
+    v_hashes   integer[];
+    v_shards   bigint[];
+    v_firsts   integer[];
+    v_nfirst   integer;
+    v_away     integer;
+    v_nocore   integer;
+    v_locked   integer[] := '{}';
+    v_from     integer;
+    v_busy     integer;
+    v_now      timestamptz;
+    v_cur      date;
+    v_ttl      interval;
+    v_lease    interval;
+    v_max      integer;
+    v_sample   integer;
+    v_per_key  boolean;
+    v_lookback interval;
+    v_need     interval;
+    v_lo       date;
+    v_hi       date;
+    v_adopting boolean;
+    v_base     bigint;
+    v_acq      integer := 0;
+    v_dups     integer := 0;
+    v_weight   integer;
+    v_slow     integer[];
+    a_ord      integer[] := '{}';
+    f_ord      integer[];
+    f_month    date[];
+    c          record;
+    v_month    date;               -- the month of the row an answer was read from
 BEGIN
     IF v_n IS NULL OR v_n > 1000 OR citus_claim_batch.key IS NULL OR NOT (citus_claim_batch.key = ANY (citus_claim_batch.keys)) THEN
         -- The batch's own checks name the problem (ID009 over 1000).
@@ -22,7 +57,203 @@ BEGIN
         RAISE EXCEPTION USING ERRCODE = '22023',
             MESSAGE = 'idem.citus_claim_batch: key must be one of keys (it routes the call to the node holding them)';
     END IF;
-    -- Each shard's keys (on this node: every shard must be), shard after
+
+    -- (migration 30) The node's keys as one batch: in READ COMMITTED, with
+    -- good input and every shard's claim_locked made, this call does once
+    -- for all of them what idem.claim_batch does once for its batch (the
+    -- policy, the locks, the window, the counting), and runs per shard
+    -- only the statement that answers the shard's locked keys
+    -- (idem_shard_<shard>.claim_locked, idem.claim_batch's own statement
+    -- on the shard's tables). It goes to its locks at once, as
+    -- idem.claim_batch does for a batch whose first key has no final
+    -- answer; a key with a final answer is answered from its row under
+    -- its lock, as there. The rest (SERIALIZABLE; a read-only
+    -- transaction, whose redelivered batch idem.claim_batch answers
+    -- without a write, where this path's insert statement is refused; bad
+    -- input that the batch names; a shard without claim_locked) goes shard
+    -- by shard through the shards' copies of idem.claim_batch, below.
+    IF v_iso = 'read committed' AND current_setting('transaction_read_only') = 'off'
+       AND NOT (citus_claim_batch.source IS NULL OR octet_length(citus_claim_batch.source) NOT BETWEEN 1 AND 64
+       OR btrim(citus_claim_batch.source, E' \t\r\n') = '' OR citus_claim_batch.source ~ '[\x01-\x1f\x7f]'
+       OR v_n NOT BETWEEN 1 AND 1000
+       OR array_ndims(citus_claim_batch.keys) <> 1 OR array_lower(citus_claim_batch.keys, 1) <> 1
+       OR (citus_claim_batch.fingerprints IS NOT NULL AND (array_ndims(citus_claim_batch.fingerprints) <> 1
+           OR array_lower(citus_claim_batch.fingerprints, 1) <> 1 OR cardinality(citus_claim_batch.fingerprints) <> v_n))
+       OR (citus_claim_batch.event_types IS NOT NULL AND (array_ndims(citus_claim_batch.event_types) <> 1
+           OR array_lower(citus_claim_batch.event_types, 1) <> 1 OR cardinality(citus_claim_batch.event_types) <> v_n))
+       OR EXISTS (SELECT 1 FROM unnest(citus_claim_batch.keys, citus_claim_batch.fingerprints, citus_claim_batch.event_types) x(k, f, t)
+                   WHERE x.k IS NULL OR octet_length(x.k) NOT BETWEEN 1 AND 512 OR btrim(x.k, E' \t\r\n') = ''
+                      OR octet_length(x.f) > 512 OR octet_length(x.t) > 256)
+       OR (citus_claim_batch.ttl IS NOT NULL AND NOT idem.valid_ttl(citus_claim_batch.ttl))
+       OR (citus_claim_batch.lease IS NOT NULL AND NOT idem.valid_lease(citus_claim_batch.lease))
+       OR (citus_claim_batch.lock_wait IS NOT NULL AND NOT (citus_claim_batch.lock_wait >= interval '0' AND citus_claim_batch.lock_wait <= interval '1 hour'))) THEN
+        -- The distinct keys (each at its first position) in the node's
+        -- global lock order: by shard, then lock key, then position (every
+        -- batch on this node, this path's or the copies', locks in it).
+        SELECT array_agg(d.o), array_agg(d.o ORDER BY d.s, d.h, d.o), array_agg(d.h ORDER BY d.s, d.h, d.o),
+               array_agg(d.s ORDER BY d.s, d.h, d.o)
+          INTO v_firsts, v_ords, v_hashes, v_shards
+          FROM (SELECT min(u.o)::integer AS o, hashtext(citus_claim_batch.source || chr(31) || u.k) AS h,
+                       get_shard_id_for_distribution_column('idem.processed_events', u.k) AS s
+                  FROM unnest(citus_claim_batch.keys) WITH ORDINALITY u(k, o)
+                 GROUP BY u.k) d;
+        v_nfirst := cardinality(v_firsts);
+        SELECT count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM pg_dist_placement p, pg_dist_local_group l
+                                                   WHERE p.groupid = l.groupid AND p.shardid = x.s)),
+               count(*) FILTER (WHERE to_regprocedure('idem_shard_' || x.s || '.claim_locked(text, text[], text[], text[], integer[], timestamp with time zone, date, date, date, interval, interval, boolean, boolean, bigint)') IS NULL)
+          INTO v_away, v_nocore
+          FROM (SELECT DISTINCT y.s FROM unnest(v_shards) y(s)) x;
+        IF v_away > 0 THEN
+            RAISE EXCEPTION USING ERRCODE = 'ID005',
+                MESSAGE = 'idem.citus_claim_batch ran on a node that does not hold the shard of some of its keys',
+                DETAIL = 'On Citus the per-key lock is taken on the node that owns the key; group the keys with idem.citus_batch_routes.',
+                HINT = 'Call it as SELECT ... FROM idem.citus_claim_batch($1, ...) with one of the group''s keys, as idem''s Go API does.';
+        END IF;
+    END IF;
+    IF v_nocore = 0 THEN
+        -- The source's policy (as idem.claim_batch reads it).
+        SELECT x.ttl, x.lease, x.max_attempts, x.duplicate_sampling, x.count_per_key
+          INTO v_ttl, v_lease, v_max, v_sample, v_per_key
+          FROM (SELECT p.ttl, p.lease, p.max_attempts, p.duplicate_sampling, p.count_per_key
+                  FROM idem.policies p WHERE p.source = citus_claim_batch.source
+                UNION ALL
+                SELECT p.ttl, p.lease, p.max_attempts, p.duplicate_sampling, p.count_per_key
+                  FROM idem.policies p WHERE p.source = '*'
+                 LIMIT 1) x;
+        IF NOT FOUND THEN
+            RAISE EXCEPTION USING ERRCODE = '42704',
+                MESSAGE = format('idem.claim_batch: no policy for source %L and no default policy', citus_claim_batch.source),
+                HINT = 'Insert a row for the source, or the default row with source ''*'', into idem.policies.';
+        END IF;
+        v_ttl := coalesce(citus_claim_batch.ttl, v_ttl);
+        v_lease := coalesce(citus_claim_batch.lease, v_lease);
+        IF v_lease > v_ttl THEN
+            RAISE EXCEPTION USING ERRCODE = '22023',
+                MESSAGE = format('idem.claim_batch: lease %s is longer than ttl %s', v_lease, v_ttl);
+        END IF;
+
+        -- Each key's lock in that order, as idem.claim_batch takes them:
+        -- one statement tries them in order and stops at the first that
+        -- another open transaction holds; that key is answered by
+        -- idem.claim at once (from what is committed when that is final,
+        -- or after waiting for the lock until the batch's deadline), and
+        -- the statement goes on after it.
+        v_from := 1;
+        WHILE v_from <= coalesce(cardinality(v_ords), 0) LOOP
+            SELECT v_from + u.i::integer - 1 INTO v_busy
+              FROM unnest(v_hashes[v_from:]) WITH ORDINALITY u(h, i)
+             WHERE NOT pg_try_advisory_xact_lock(1768187245, u.h)
+             LIMIT 1;
+            IF v_busy IS NULL THEN
+                v_locked := v_locked || v_ords[v_from:];
+                EXIT;
+            END IF;
+            v_locked := v_locked || v_ords[v_from:v_busy - 1];
+            SELECT * INTO c FROM idem.claim(citus_claim_batch.source, citus_claim_batch.keys[v_ords[v_busy]],
+                                            citus_claim_batch.fingerprints[v_ords[v_busy]],
+                                            citus_claim_batch.ttl, citus_claim_batch.lease, citus_claim_batch.event_types[v_ords[v_busy]],
+                                            greatest(v_until - clock_timestamp(), interval '0'));
+            ord := v_ords[v_busy]; outcome := c.outcome; token := c.token; attempt := c.attempt;
+            lease_expires_at := c.lease_expires_at; result := c.result; error := c.error;
+            first_seen := c.first_seen; expires_at := c.expires_at; lease_remaining := c.lease_remaining;
+            RETURN NEXT;
+            v_from := v_busy + 1;
+        END LOOP;
+
+        IF cardinality(v_locked) > 0 THEN
+            -- The window, read under the keys' locks (as idem.claim_batch).
+            SELECT max(l.lookback) INTO v_lookback FROM idem.lookbacks l WHERE l.source IN (citus_claim_batch.source, '*');
+            v_now := idem.clock();
+            v_need := idem.days_at_most(greatest(v_ttl, v_lease));
+            IF v_need > v_lookback THEN
+                v_lookback := idem.raise_lookback(citus_claim_batch.source, v_need);
+            END IF;
+            v_lo := idem.window_start(v_now, v_lookback);
+            v_hi := idem.utc_month(v_now + interval '1 day');
+            v_cur := idem.utc_month(v_now);
+            v_adopting := EXISTS (SELECT 1 FROM idem.adoptions a WHERE a.source = citus_claim_batch.source AND a.state = 'copying');
+            v_base := idem.new_token();
+            -- Each shard's locked keys by the shard's claim_locked, shard
+            -- after shard (all the node's locks are held already), each
+            -- answer straight into the answer's columns, as idem.claim_batch
+            -- reads its statement (claim_locked's columns are its loop's).
+            -- Holds are looked for (v_holds), as the copies look for them.
+            FOR g IN SELECT x.s AS shard, array_agg(x.o ORDER BY x.i) AS ords
+                       FROM unnest(v_shards, v_ords) WITH ORDINALITY x(s, o, i)
+                      WHERE x.o = ANY (v_locked)
+                      GROUP BY x.s ORDER BY x.s LOOP
+                FOR ord, outcome, token, attempt, lease_expires_at, result, error, first_seen, expires_at, lease_remaining, v_month IN
+                    EXECUTE format('SELECT * FROM idem_shard_%s.claim_locked($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)', g.shard)
+                      USING citus_claim_batch.source, citus_claim_batch.keys, citus_claim_batch.fingerprints,
+                            citus_claim_batch.event_types, g.ords, v_now, v_lo, v_hi, v_cur, v_ttl, v_lease,
+                            v_adopting, true, v_base LOOP
+                    RETURN NEXT;
+                    a_ord := a_ord || ord;
+                    IF outcome = 'acquired' THEN
+                        v_acq := v_acq + 1;
+                    ELSIF v_month IS NOT NULL THEN
+                        v_dups := v_dups + 1;
+                        IF v_per_key THEN
+                            f_ord := f_ord || ord;
+                            f_month := f_month || v_month;
+                        END IF;
+                    END IF;
+                END LOOP;
+            END LOOP;
+        END IF;
+
+        -- Counting, as idem.claim_batch counts, the node's keys as one
+        -- batch.
+        IF v_sample > 0 THEN
+            IF v_acq > 0 THEN
+                PERFORM idem.count_activity(citus_claim_batch.source, v_now, v_acq, 0);
+            END IF;
+            IF v_dups > 0 AND NOT v_per_key THEN
+                v_weight := idem.claim_weight(citus_claim_batch.source, v_sample, v_now);
+                IF v_weight > 0 THEN
+                    PERFORM idem.count_duplicate(citus_claim_batch.source, NULL, NULL, v_dups * v_weight, false, v_now);
+                END IF;
+            ELSIF v_dups > 0 THEN
+                PERFORM idem.count_duplicate(citus_claim_batch.source, citus_claim_batch.keys[x.o], x.month, v_sample, true, v_now)
+                   FROM unnest(f_ord, f_month) x(o, month)
+                  WHERE v_sample = 1 OR random() * v_sample < 1;
+            END IF;
+        END IF;
+
+        -- The rest, by idem.claim (each key's lock is this transaction's
+        -- already).
+        IF coalesce(cardinality(a_ord), 0) < cardinality(v_locked) THEN
+            SELECT array_agg(l.o ORDER BY l.o) INTO v_slow
+              FROM unnest(v_locked) l(o) WHERE l.o <> ALL (coalesce(a_ord, '{}'));
+            FOREACH v_i IN ARRAY v_slow LOOP
+                SELECT * INTO c FROM idem.claim(citus_claim_batch.source, citus_claim_batch.keys[v_i], citus_claim_batch.fingerprints[v_i],
+                                                citus_claim_batch.ttl, citus_claim_batch.lease, citus_claim_batch.event_types[v_i],
+                                                greatest(v_until - clock_timestamp(), interval '0'));
+                ord := v_i; outcome := c.outcome; token := c.token; attempt := c.attempt;
+                lease_expires_at := c.lease_expires_at; result := c.result; error := c.error;
+                first_seen := c.first_seen; expires_at := c.expires_at; lease_remaining := c.lease_remaining;
+                RETURN NEXT;
+            END LOOP;
+        END IF;
+
+        -- A key repeated in the batch: a duplicate of its first position,
+        -- answered by idem.claim after it.
+        IF v_nfirst < v_n THEN
+            FOR v_i IN SELECT u.o FROM generate_subscripts(citus_claim_batch.keys, 1) u(o)
+                        WHERE u.o <> ALL (v_firsts) ORDER BY u.o LOOP
+                SELECT * INTO c FROM idem.claim(citus_claim_batch.source, citus_claim_batch.keys[v_i], citus_claim_batch.fingerprints[v_i],
+                                                citus_claim_batch.ttl, citus_claim_batch.lease, citus_claim_batch.event_types[v_i],
+                                                greatest(v_until - clock_timestamp(), interval '0'));
+                ord := v_i; outcome := c.outcome; token := c.token; attempt := c.attempt;
+                lease_expires_at := c.lease_expires_at; result := c.result; error := c.error;
+                first_seen := c.first_seen; expires_at := c.expires_at; lease_remaining := c.lease_remaining;
+                RETURN NEXT;
+            END LOOP;
+        END IF;
+        RETURN;
+    END IF;
+
+    -- Otherwise each shard's keys (on this node: every shard must be), shard after
     -- shard in the order of their ids, each claimed by the shard's copy of
     -- idem.claim_batch: its keys locked in its global order. Every batch on
     -- this node locks in the order (shard, lock hash, key): no two wait on
@@ -72,4 +303,4 @@ BEGIN
 END
 $function$;
 
-COMMENT ON FUNCTION idem.citus_claim_batch(key text, source text, keys text[], fingerprints text[], ttl interval, lease interval, event_types text[], lock_wait interval) IS 'On Citus: idem.claim_batch of the keys of one node, delegated there by key (one of them): each shard''s keys by the shard''s copy of idem.claim_batch, shard after shard.';
+COMMENT ON FUNCTION idem.citus_claim_batch(key text, source text, keys text[], fingerprints text[], ttl interval, lease interval, event_types text[], lock_wait interval) IS 'On Citus: idem.claim_batch of the keys of one node, delegated there by key (one of them): in READ COMMITTED the node''s keys as one batch, each shard''s locked keys answered by the shard''s claim_locked; otherwise each shard''s keys by the shard''s copy of idem.claim_batch, shard after shard.';

@@ -20,10 +20,26 @@ DECLARE
     v_fn     text;
     v_made   integer := 0;
     v_gone   integer := 0;
+    v_stmt   text;
+    v_bad    text;
+    v_locked_args constant text := 'text, text[], text[], text[], integer[], timestamp with time zone, date, date, date, interval, interval, boolean, boolean, bigint';
     s        record;
 BEGIN
     IF NOT idem.distributed() THEN
         RETURN;
+    END IF;
+    -- (migration 30) idem.citus_claim_batch counts its node's duplicates
+    -- itself, so it runs with idem.citus on (idem.claim_weight: the secret
+    -- that signs its sampled minute is not on the workers), as the copies
+    -- do. Set here, on Citus only, not in its CREATE FUNCTION: there
+    -- PostgreSQL 15 refuses a custom parameter to a migrator that is not
+    -- a superuser ("permission denied to set parameter", on every
+    -- installation, single nodes included), and a single node never calls
+    -- it.
+    IF NOT EXISTS (SELECT 1 FROM pg_proc p
+                    WHERE p.oid = 'idem.citus_claim_batch(text, text, text[], text[], interval, interval, text[], interval)'::regprocedure
+                      AND 'idem.citus=on' = ANY (p.proconfig)) THEN
+        ALTER FUNCTION idem.citus_claim_batch(text, text, text[], text[], interval, interval, text[], interval) SET idem.citus = on;
     END IF;
     FOREACH v_f IN ARRAY v_fns LOOP
         SELECT p.proname, '(' || oidvectortypes(p.proargtypes) || ')' INTO v_name, v_args
@@ -45,14 +61,7 @@ BEGIN
             -- <function>.<parameter> still names its parameters.
             v_ref := regexp_replace(v_def, '^CREATE OR REPLACE FUNCTION idem\.' || v_name || '\(',
                                     'CREATE OR REPLACE FUNCTION ' || v_schema || '.' || v_name || '(');
-            v_ref := regexp_replace(v_ref, 'idem\.processed_events\M', 'idem.processed_events_' || s.shardid, 'g');
-            v_ref := regexp_replace(v_ref, 'idem\.holds\M', 'idem.holds_' || s.holds_shard, 'g');
-            v_ref := regexp_replace(v_ref, 'idem\.policies\M',
-                                    'idem.policies_' || (SELECT d.shardid FROM pg_dist_shard d WHERE d.logicalrelid = 'idem.policies'::regclass), 'g');
-            v_ref := regexp_replace(v_ref, 'idem\.lookbacks\M',
-                                    'idem.lookbacks_' || (SELECT d.shardid FROM pg_dist_shard d WHERE d.logicalrelid = 'idem.lookbacks'::regclass), 'g');
-            v_ref := regexp_replace(v_ref, 'idem\.adoptions\M',
-                                    'idem.adoptions_' || (SELECT d.shardid FROM pg_dist_shard d WHERE d.logicalrelid = 'idem.adoptions'::regclass), 'g');
+            v_ref := idem.citus_on_shard(v_ref, s.shardid, s.holds_shard);
             -- A copy is only called after its keys were found on this
             -- node: it asks nothing (claim), refuses nothing (the batch's
             -- refusal of a distributed installation).
@@ -72,6 +81,47 @@ BEGIN
             v_made := v_made + 1;
         END LOOP;
     END LOOP;
+    -- (migration 30) idem_shard_<shard>.claim_locked: the one statement
+    -- of idem.claim_batch that answers its locked keys (its probe of their
+    -- rows, the insert of the new ones, the answer from the current
+    -- month), cut out of idem.claim_batch's own definition between its
+    -- claim_locked markers (idem.citus_claim_locked_definition) and put on
+    -- the shard's tables, its variables made parameters.
+    -- idem.citus_claim_batch calls it for each shard of a node's keys
+    -- after taking all their locks, once it has read the policy and the
+    -- window for all of them. Made again when idem.claim_batch changed.
+    -- When the statement cannot be cut (its markers gone, or it names a
+    -- variable that is not a parameter), none is made (and those of an
+    -- older definition are dropped), and this says so:
+    -- idem.citus_claim_batch then claims each shard's keys with the
+    -- shard's copy of idem.claim_batch (the same answers, more slowly).
+    v_sum := md5(pg_get_functiondef('idem.claim_batch(text, text[], text[], interval, interval, text[], interval)'::regprocedure));
+    v_stmt := idem.citus_claim_locked_definition('idem');
+    IF v_stmt IS NULL THEN
+        RETURN NEXT 'made no claim_locked: idem.claim_batch has no statement between its -- <claim_locked> and -- </claim_locked> comments that names only claim_locked''s parameters; batches claim through the shards'' copies of claim_batch';
+    END IF;
+    FOR s IN SELECT pe.shardid, h.shardid AS holds_shard
+               FROM pg_dist_shard pe
+               JOIN pg_dist_shard h ON h.logicalrelid = 'idem.holds'::regclass AND h.shardminvalue = pe.shardminvalue
+              WHERE pe.logicalrelid = 'idem.processed_events'::regclass
+              ORDER BY pe.shardid LOOP
+        v_schema := 'idem_shard_' || s.shardid;
+        v_fn := v_schema || '.claim_locked(' || v_locked_args || ')';
+        -- A claim_locked with other parameters, or any when none is made.
+        FOR v_bad IN SELECT p.oid::regprocedure::text FROM pg_proc p
+                      WHERE p.pronamespace = to_regnamespace(v_schema) AND p.proname = 'claim_locked'
+                        AND (v_stmt IS NULL OR p.oid IS DISTINCT FROM to_regprocedure(v_fn)) LOOP
+            EXECUTE format('DROP FUNCTION %s', v_bad);
+        END LOOP;
+        CONTINUE WHEN v_stmt IS NULL;
+        CONTINUE WHEN to_regprocedure(v_fn) IS NOT NULL
+                  AND obj_description(to_regprocedure(v_fn), 'pg_proc') = 'idem: claim_locked ' || v_sum;
+        EXECUTE format('CREATE SCHEMA IF NOT EXISTS %I', v_schema);
+        EXECUTE idem.citus_on_shard(idem.citus_claim_locked_definition(v_schema), s.shardid, s.holds_shard);
+        EXECUTE format('REVOKE ALL ON FUNCTION %s FROM PUBLIC', v_fn);
+        EXECUTE format('COMMENT ON FUNCTION %s IS %L', v_fn, 'idem: claim_locked ' || v_sum);
+        v_made := v_made + 1;
+    END LOOP;
     -- Copies of shards that are gone (a shard split, idem distributed again).
     FOR v_schema IN SELECT n.nspname FROM pg_namespace n
                      WHERE n.nspname ~ '^idem_shard_[0-9]+$'
@@ -82,7 +132,7 @@ BEGIN
         v_gone := v_gone + 1;
     END LOOP;
     IF v_made > 0 THEN
-        RETURN NEXT format('made %s copies of claim and claim_batch on the shards (schemas idem_shard_<shard>)', v_made);
+        RETURN NEXT format('made %s copies of claim, claim_batch and claim_locked on the shards (schemas idem_shard_<shard>)', v_made);
     END IF;
     IF v_gone > 0 THEN
         RETURN NEXT format('dropped the copies of %s shards that are gone', v_gone);
@@ -90,4 +140,4 @@ BEGIN
 END
 $function$;
 
-COMMENT ON FUNCTION idem.citus_shard_claims() IS 'On Citus (run by idem.citus_setup): for each shard of idem.processed_events, idem_shard_<shard>.claim_general and .claim_batch, idem.claim_general''s and idem.claim_batch''s definitions on that shard''s tables, made again when they changed; the schemas of shards that are gone are dropped.';
+COMMENT ON FUNCTION idem.citus_shard_claims() IS 'On Citus (run by idem.citus_setup): for each shard of idem.processed_events, idem_shard_<shard>.claim_general and .claim_batch, idem.claim_general''s and idem.claim_batch''s definitions on that shard''s tables, and .claim_locked, idem.claim_batch''s statement that answers its locked keys, made again when they changed; the schemas of shards that are gone are dropped; idem.citus_claim_batch set to run with idem.citus on.';

@@ -40,8 +40,6 @@ DECLARE
     v_acq      integer := 0;
     v_dups     integer := 0;
     c          record;
-    kr         record;             -- a key read before the locks
-    ar         record;             -- a locked key's answer
     v_nfirst   integer;            -- the distinct keys
     v_open     integer[] := '{}';  -- read before the locks: the positions without a final answer
     v_weight   integer;
@@ -49,6 +47,13 @@ DECLARE
     -- The duplicates' positions and months, for per-key counting.
     f_ord      integer[];
     f_month    date[];
+    -- (version 29) The short path.
+    s          record;             -- the source's row of idem.claim_settings
+    v_short    boolean := false;   -- the batch's settings are that row's
+    v_holds    boolean := true;    -- the source may have inbox holds: they are looked for
+    v_lean     boolean := false;   -- every key locked at once: the new keys inserted by one statement
+    v_rest     integer[] := '{}';  -- the positions that statement did not insert
+    v_month    date;               -- the month of the row an answer was read from
 BEGIN
     IF v_iso = 'repeatable read' THEN
         RAISE EXCEPTION USING ERRCODE = '0A000',
@@ -101,23 +106,54 @@ BEGIN
     END IF;
     v_until := clock_timestamp() + coalesce(claim_batch.lock_wait, interval '5 seconds');
 
-    -- The source's policy, and its lookback for the window of the first
-    -- read (a lookback raised meanwhile only makes that read miss a row,
-    -- and a key it does not answer is read again under its lock below,
-    -- with the lookback read again there, as idem.claim reads it).
-    SELECT x.ttl, x.lease, x.max_attempts, x.duplicate_sampling, x.count_per_key,
-           (SELECT max(l.lookback) FROM idem.lookbacks l WHERE l.source IN (claim_batch.source, '*'))
-      INTO v_ttl, v_lease, v_max, v_sample, v_per_key, v_lookback
-      FROM (SELECT p.ttl, p.lease, p.max_attempts, p.duplicate_sampling, p.count_per_key
-              FROM idem.policies p WHERE p.source = claim_batch.source
-            UNION ALL
-            SELECT p.ttl, p.lease, p.max_attempts, p.duplicate_sampling, p.count_per_key
-              FROM idem.policies p WHERE p.source = '*'
-             LIMIT 1) x;
-    IF NOT FOUND THEN
-        RAISE EXCEPTION USING ERRCODE = '42704',
-            MESSAGE = format('idem.claim_batch: no policy for source %L and no default policy', claim_batch.source),
-            HINT = 'Insert a row for the source, or the default row with source ''*'', into idem.policies.';
+    -- (version 29) The short path, as idem.claim's (migration 27): at
+    -- READ COMMITTED, off Citus, the source's policy, lookback and whether
+    -- it has had an inbox hold or has an adoption in progress are one row
+    -- of idem.claim_settings (kept by triggers in the same transaction as
+    -- every change of them; a source with no row of its own yet claims with
+    -- the default's, and writes its own when it can without waiting). A
+    -- source whose legacy table is being adopted, and every batch in
+    -- SERIALIZABLE or on Citus (where idem.citus is on: the shards' copies of
+    -- this function), read the tables, as before.
+    IF v_iso = 'read committed' AND current_setting('idem.citus', true) IS DISTINCT FROM 'on' THEN
+        SELECT c.ttl, c.lease, c.max_attempts, c.duplicate_sampling, c.count_per_key, c.lookback, c.holds, c.adopting
+          INTO s FROM idem.claim_settings c WHERE c.source = claim_batch.source;
+        IF NOT FOUND THEN
+            SELECT c.ttl, c.lease, c.max_attempts, c.duplicate_sampling, c.count_per_key, c.lookback,
+                   false AS holds, false AS adopting
+              INTO s FROM idem.claim_settings c WHERE c.source = '*';
+            v_short := FOUND;
+            IF v_short AND current_setting('transaction_read_only') = 'off'
+               AND pg_try_advisory_xact_lock(1768187248, hashtext(claim_batch.source)) THEN
+                PERFORM idem.claim_settings_refresh(claim_batch.source);
+            END IF;
+        ELSE
+            v_short := true;
+        END IF;
+        v_short := v_short AND NOT s.adopting;
+    END IF;
+    IF v_short THEN
+        v_ttl := s.ttl; v_lease := s.lease; v_max := s.max_attempts; v_sample := s.duplicate_sampling;
+        v_per_key := s.count_per_key; v_lookback := s.lookback; v_holds := s.holds;
+    ELSE
+        -- The source's policy, and its lookback for the window of the first
+        -- read (a lookback raised meanwhile only makes that read miss a row,
+        -- and a key it does not answer is read again under its lock below,
+        -- with the lookback read again there, as idem.claim reads it).
+        SELECT x.ttl, x.lease, x.max_attempts, x.duplicate_sampling, x.count_per_key,
+               (SELECT max(l.lookback) FROM idem.lookbacks l WHERE l.source IN (claim_batch.source, '*'))
+          INTO v_ttl, v_lease, v_max, v_sample, v_per_key, v_lookback
+          FROM (SELECT p.ttl, p.lease, p.max_attempts, p.duplicate_sampling, p.count_per_key
+                  FROM idem.policies p WHERE p.source = claim_batch.source
+                UNION ALL
+                SELECT p.ttl, p.lease, p.max_attempts, p.duplicate_sampling, p.count_per_key
+                  FROM idem.policies p WHERE p.source = '*'
+                 LIMIT 1) x;
+        IF NOT FOUND THEN
+            RAISE EXCEPTION USING ERRCODE = '42704',
+                MESSAGE = format('idem.claim_batch: no policy for source %L and no default policy', claim_batch.source),
+                HINT = 'Insert a row for the source, or the default row with source ''*'', into idem.policies.';
+        END IF;
     END IF;
     v_ttl := coalesce(claim_batch.ttl, v_ttl);
     v_lease := coalesce(claim_batch.lease, v_lease);
@@ -149,14 +185,35 @@ BEGIN
                                 claim_batch.fingerprints[1], v_now) IS NOT NULL
      LIMIT 1;
     IF NOT FOUND THEN
-        -- The distinct keys (each at its first position) in the global
-        -- lock order: by the lock's key, then position.
-        SELECT array_agg(d.o), array_agg(d.o ORDER BY d.h, d.o), array_agg(d.h ORDER BY d.h, d.o)
-          INTO v_firsts, v_ords, v_hashes
-          FROM (SELECT min(u.o)::integer AS o, hashtext(claim_batch.source || chr(31) || u.k) AS h
-                  FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o)
-                 GROUP BY u.k) d;
-        v_nfirst := cardinality(v_firsts);
+        IF v_short THEN
+            -- (version 29) The short path: every key's lock in the global
+            -- order (by the lock's key, then position; a repeated key's lock
+            -- is taken again), one statement that stops at the first busy
+            -- one (LIMIT 1: the later ones are not tried). All taken: the
+            -- new keys are inserted at once below. One busy: the batch goes
+            -- on as below, trying the same order again (the locks it holds
+            -- are a prefix of it), so it never holds a later key while it
+            -- waits for an earlier one. (OFFSET 0: the lock's condition is
+            -- not pushed below the sort, where it would take the locks in
+            -- the batch's order.)
+            PERFORM 1
+              FROM (SELECT hashtext(claim_batch.source || chr(31) || u.k) AS h, u.o
+                      FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o)
+                     ORDER BY 1, 2 OFFSET 0) l
+             WHERE NOT pg_try_advisory_xact_lock(1768187245, l.h)
+             LIMIT 1;
+            v_lean := NOT FOUND;
+        END IF;
+        IF NOT v_lean THEN
+            -- The distinct keys (each at its first position) in the global
+            -- lock order: by the lock's key, then position.
+            SELECT array_agg(d.o), array_agg(d.o ORDER BY d.h, d.o), array_agg(d.h ORDER BY d.h, d.o)
+              INTO v_firsts, v_ords, v_hashes
+              FROM (SELECT min(u.o)::integer AS o, hashtext(claim_batch.source || chr(31) || u.k) AS h
+                      FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o)
+                     GROUP BY u.k) d;
+            v_nfirst := cardinality(v_firsts);
+        END IF;
     ELSE
         -- Each distinct key (at its first position) and its live row in
         -- the window, probed by its own index lookup (a lateral probe:
@@ -164,40 +221,39 @@ BEGIN
         -- source). A final answer is returned as it is read; the other keys
         -- are kept for their locks.
         v_nfirst := 0;
-        FOR kr IN
-            SELECT g.o, e.first_seen_month AS month, e.attempts, e.lease_expires_at, e.result, e.last_error,
+        FOR ord, outcome, token, attempt, lease_expires_at, result, error, first_seen, expires_at, lease_remaining, v_month IN
+            SELECT g.o, e.settled, NULL::bigint, e.attempts,
+                   CASE WHEN e.settled IN ('in_progress', 'mismatch') THEN e.lease_expires_at END,
+                   CASE WHEN e.settled = 'completed' THEN e.result END,
+                   CASE WHEN e.settled IN ('failed', 'completed') THEN e.last_error END,
                    e.first_seen, e.expires_at,
-                   idem.settled_outcome(e.status, e.retryable, e.lease_expires_at, e.fingerprint,
-                                        claim_batch.fingerprints[g.o], v_now) AS settled
+                   CASE WHEN e.settled = 'in_progress' THEN greatest(e.lease_expires_at - v_now, interval '0') END,
+                   e.first_seen_month
               FROM (SELECT min(u.o)::integer AS o, u.k
                       FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o)
                      GROUP BY u.k) g
               LEFT JOIN LATERAL (
-                  SELECT x.first_seen_month, x.status, x.attempts, x.lease_expires_at, x.fingerprint, x.result,
-                         x.last_error, x.retryable, x.first_seen, x.expires_at
+                  SELECT x.first_seen_month, x.attempts, x.lease_expires_at, x.result, x.last_error, x.first_seen, x.expires_at,
+                         idem.settled_outcome(x.status, x.retryable, x.lease_expires_at, x.fingerprint,
+                                              claim_batch.fingerprints[g.o], v_now) AS settled
                     FROM idem.processed_events x
                    WHERE x.source = claim_batch.source AND x.key = g.k
                      AND x.first_seen_month >= v_lo AND x.first_seen_month <= v_hi
                      AND x.expires_at > v_now
                    LIMIT 1) e ON true
         LOOP
+            -- (version 29) Each answer straight into the answer's columns.
             v_nfirst := v_nfirst + 1;
-            IF kr.settled IS NULL THEN
-                v_open := v_open || kr.o;
+            IF outcome IS NULL THEN
+                v_open := v_open || ord;
                 CONTINUE;
             END IF;
-            ord := kr.o; outcome := kr.settled; token := NULL; attempt := kr.attempts;
-            lease_expires_at := CASE WHEN kr.settled IN ('in_progress', 'mismatch') THEN kr.lease_expires_at END;
-            result := CASE WHEN kr.settled = 'completed' THEN kr.result END;
-            error := CASE WHEN kr.settled IN ('failed', 'completed') THEN kr.last_error END;
-            first_seen := kr.first_seen; expires_at := kr.expires_at;
-            lease_remaining := CASE WHEN kr.settled = 'in_progress' THEN greatest(kr.lease_expires_at - v_now, interval '0') END;
             RETURN NEXT;
             -- Every answer read from a row is a duplicate (counted below).
             v_dups := v_dups + 1;
             IF v_per_key THEN
-                f_ord := f_ord || kr.o;
-                f_month := f_month || kr.month;
+                f_ord := f_ord || ord;
+                f_month := f_month || v_month;
             END IF;
         END LOOP;
         -- The keys without a final answer in the global lock order (by
@@ -262,11 +318,23 @@ BEGIN
         v_from := v_busy + 1;
     END LOOP;
 
-    IF cardinality(v_locked) > 0 THEN
+    IF v_lean OR cardinality(v_locked) > 0 THEN
         -- The source's lookback, read again under the keys' locks, as
         -- idem.claim reads it (a claim that held one of them may have
-        -- raised it).
-        SELECT max(l.lookback) INTO v_lookback FROM idem.lookbacks l WHERE l.source IN (claim_batch.source, '*');
+        -- raised it); on the short path with whether the source has had a
+        -- hold or has an adoption in progress.
+        IF v_short THEN
+            SELECT c.lookback, c.holds AND c.source <> '*', c.adopting AND c.source <> '*'
+              INTO v_lookback, v_holds, v_adopting
+              FROM idem.claim_settings c WHERE c.source IN (claim_batch.source, '*')
+             ORDER BY c.source = '*' LIMIT 1;
+            v_short := FOUND;
+        END IF;
+        IF NOT v_short THEN
+            SELECT max(l.lookback) INTO v_lookback FROM idem.lookbacks l WHERE l.source IN (claim_batch.source, '*');
+            v_adopting := EXISTS (SELECT 1 FROM idem.adoptions a WHERE a.source = claim_batch.source AND a.state = 'copying');
+            v_holds := true;
+        END IF;
         v_now := idem.clock();
         v_need := idem.days_at_most(greatest(v_ttl, v_lease));
         IF v_need > v_lookback THEN
@@ -277,7 +345,6 @@ BEGIN
         v_lo := idem.window_start(v_now, v_lookback);
         v_hi := idem.utc_month(v_now + interval '1 day');
         v_cur := idem.utc_month(v_now);
-        v_adopting := EXISTS (SELECT 1 FROM idem.adoptions a WHERE a.source = claim_batch.source AND a.state = 'copying');
         v_base := idem.new_token();
 
         -- SERIALIZABLE: the transaction's snapshot may predate a claim of
@@ -307,119 +374,236 @@ BEGIN
             END IF;
         END IF;
 
-        -- One statement for the locked keys' common answers, read again
-        -- under their locks with a new snapshot:
-        -- * p: each key's live row in the window's other months (before
-        --   and after the current one, each an index lookup); a settled
-        --   one answers as idem.claim answers it; for a key with none, its
-        --   queue hold (a probe with LIMIT: an EXISTS may be planned as a
-        --   hash of every hold of the source);
-        -- * ins: a key with no row there and no hold is inserted into the
-        --   current month (ON CONFLICT DO NOTHING: the unique index reads
-        --   the current month for it, so it is not probed first): acquired;
-        -- * cur: a key the insert met a row of, or a held key, is answered
-        --   from its live row in the current month when that is settled;
-        --   a held key without one is in_progress.
-        -- What is left (a lost lease or a retryable failure to take over,
-        -- an expired row in the current month, a key while its source's
-        -- legacy table is adopted) is idem.claim's, below. Each answer is
-        -- returned as the statement yields it.
-        FOR ar IN
-        WITH p AS MATERIALIZED (
-            SELECT l.o, claim_batch.keys[l.o] AS k, e.*,
-                   CASE WHEN e.status IS NULL AND NOT v_adopting THEN h.held IS NOT NULL END AS held,
-                   idem.settled_outcome(e.status, e.retryable, e.lease_expires_at, e.fingerprint,
-                                        claim_batch.fingerprints[l.o], v_now) AS settled
-              FROM unnest(v_locked) l(o)
-              LEFT JOIN LATERAL (
-                  (SELECT x.first_seen_month, x.status, x.attempts, x.lease_expires_at, x.fingerprint, x.result,
-                          x.last_error, x.retryable, x.first_seen, x.expires_at
-                     FROM idem.processed_events x
-                    WHERE x.source = claim_batch.source AND x.key = claim_batch.keys[l.o]
-                      AND x.first_seen_month >= v_lo AND x.first_seen_month < v_cur
-                      AND x.expires_at > v_now
-                    LIMIT 1)
-                  UNION ALL
-                  (SELECT x.first_seen_month, x.status, x.attempts, x.lease_expires_at, x.fingerprint, x.result,
-                          x.last_error, x.retryable, x.first_seen, x.expires_at
-                     FROM idem.processed_events x
-                    WHERE x.source = claim_batch.source AND x.key = claim_batch.keys[l.o]
-                      AND x.first_seen_month >= (v_cur + interval '1 month')::date AND x.first_seen_month <= v_hi
-                      AND x.expires_at > v_now
-                    LIMIT 1)
-                  LIMIT 1) e ON true
-              LEFT JOIN LATERAL (
-                  SELECT true AS held FROM idem.holds y
-                   WHERE y.source = claim_batch.source AND y.key = claim_batch.keys[l.o] AND y.state = 'queued'
-                   LIMIT 1) h ON e.status IS NULL AND NOT v_adopting),
-        ins AS (
-            INSERT INTO idem.processed_events AS e
-                   (source, key, first_seen_month, event_type, status, attempts, token,
-                    lease_expires_at, fingerprint, first_seen, updated_at, expires_at)
-            SELECT claim_batch.source, p.k, v_cur, claim_batch.event_types[p.o],
-                   'processing', 1, greatest(v_base # (p.o::bigint * 2654435761), 1), v_now + v_lease,
-                   claim_batch.fingerprints[p.o], v_now, v_now, v_now + greatest(v_ttl, v_lease)
-              FROM p WHERE p.held = false
-            ON CONFLICT DO NOTHING
-            RETURNING e.key, e.token, e.attempts, e.lease_expires_at, e.first_seen, e.expires_at),
-        cur AS MATERIALIZED (
-            SELECT p.o, p.held, r.*,
-                   idem.settled_outcome(r.status, r.retryable, r.lease_expires_at, r.fingerprint,
-                                        claim_batch.fingerprints[p.o], v_now) AS settled
-              FROM p
-              LEFT JOIN LATERAL (
-                  SELECT x.first_seen_month, x.status, x.attempts, x.lease_expires_at, x.fingerprint, x.result,
-                         x.last_error, x.retryable, x.first_seen, x.expires_at
-                    FROM idem.processed_events x
-                   WHERE x.source = claim_batch.source AND x.key = p.k
-                     AND x.first_seen_month = v_cur AND x.expires_at > v_now
-                   LIMIT 1) r ON true
-             WHERE p.held IS NOT NULL AND NOT EXISTS (SELECT 1 FROM ins i WHERE i.key = p.k)),
-        a AS (
-            SELECT p.o, p.settled AS outcome, NULL::bigint AS token, p.attempts,
-                   CASE WHEN p.settled IN ('in_progress', 'mismatch') THEN p.lease_expires_at END AS lease_at,
-                   CASE WHEN p.settled = 'completed' THEN p.result END AS result,
-                   CASE WHEN p.settled IN ('failed', 'completed') THEN p.last_error END AS error,
-                   p.first_seen, p.expires_at,
-                   CASE WHEN p.settled = 'in_progress' THEN greatest(p.lease_expires_at - v_now, interval '0') END AS left_,
-                   p.first_seen_month AS month
-              FROM p WHERE p.settled IS NOT NULL
-            UNION ALL
-            SELECT r.o, r.settled, NULL, r.attempts,
-                   CASE WHEN r.settled IN ('in_progress', 'mismatch') THEN r.lease_expires_at END,
-                   CASE WHEN r.settled = 'completed' THEN r.result END,
-                   CASE WHEN r.settled IN ('failed', 'completed') THEN r.last_error END,
-                   r.first_seen, r.expires_at,
-                   CASE WHEN r.settled = 'in_progress' THEN greatest(r.lease_expires_at - v_now, interval '0') END,
-                   r.first_seen_month
-              FROM cur r WHERE r.settled IS NOT NULL
-            UNION ALL
-            SELECT r.o, 'in_progress', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-              FROM cur r WHERE r.held AND r.status IS NULL
-            UNION ALL
-            SELECT p.o, 'acquired', i.token, i.attempts, i.lease_expires_at, NULL, NULL, i.first_seen, i.expires_at,
-                   v_lease, NULL
-              FROM ins i JOIN p ON p.k = i.key)
-        SELECT a.o, a.outcome, a.token, a.attempts, a.lease_at, a.result, a.error, a.first_seen, a.expires_at,
-               a.left_, a.month
-          FROM a
-        LOOP
-            ord := ar.o; outcome := ar.outcome; token := ar.token; attempt := ar.attempts;
-            lease_expires_at := ar.lease_at; result := ar.result; error := ar.error;
-            first_seen := ar.first_seen; expires_at := ar.expires_at; lease_remaining := ar.left_;
-            RETURN NEXT;
-            a_ord := a_ord || ar.o;
-            IF ar.outcome = 'acquired' THEN
-                v_acq := v_acq + 1;
-            ELSIF ar.month IS NOT NULL THEN
-                -- An answer read from a row: a duplicate (counted below).
-                v_dups := v_dups + 1;
-                IF v_per_key THEN
-                    f_ord := f_ord || ar.o;
-                    f_month := f_month || ar.month;
-                END IF;
+        -- (version 29) The short path, every key locked at once: one
+        -- statement inserts into the current month, in position order, the
+        -- keys with no live row in the window's other months (each an index
+        -- lookup, as below) and, for a source that has had holds, no queue
+        -- hold, and answers each position as it yields it (into the
+        -- answer's columns: no step per field): an inserted key acquired, a
+        -- key with a settled live row in the window (a duplicate, in this
+        -- month or another) from that row. A batch of new keys, or of new
+        -- keys and duplicates, ends here. The positions without an answer
+        -- (a lost lease or retryable failure to take over, a hold, an
+        -- expired row in the current month, a repeated new key's later
+        -- positions, which meet its first; all of them if an adoption
+        -- started meanwhile) go on as below: each distinct key at its first
+        -- position by the statement that answers locked keys, the repeated
+        -- ones at the end.
+        IF v_lean THEN
+            IF NOT v_adopting THEN
+                FOR ord, outcome, token, attempt, lease_expires_at, result, error, first_seen, expires_at, lease_remaining, v_month IN
+                WITH ins AS (
+                    INSERT INTO idem.processed_events AS e
+                           (source, key, first_seen_month, event_type, status, attempts, token,
+                            lease_expires_at, fingerprint, first_seen, updated_at, expires_at)
+                    SELECT claim_batch.source, u.k, v_cur, claim_batch.event_types[u.o],
+                           'processing', 1, greatest(v_base # (u.o * 2654435761), 1), v_now + v_lease,
+                           claim_batch.fingerprints[u.o], v_now, v_now, v_now + greatest(v_ttl, v_lease)
+                      FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o)
+                      LEFT JOIN LATERAL (
+                          (SELECT 1 FROM idem.processed_events x
+                            WHERE x.source = claim_batch.source AND x.key = u.k
+                              AND x.first_seen_month >= v_lo AND x.first_seen_month < v_cur
+                              AND x.expires_at > v_now
+                            LIMIT 1)
+                          UNION ALL
+                          (SELECT 1 FROM idem.processed_events x
+                            WHERE x.source = claim_batch.source AND x.key = u.k
+                              AND x.first_seen_month >= (v_cur + interval '1 month')::date AND x.first_seen_month <= v_hi
+                              AND x.expires_at > v_now
+                            LIMIT 1)
+                          LIMIT 1) w(found) ON true
+                      LEFT JOIN LATERAL (
+                          SELECT true FROM idem.holds y
+                           WHERE v_holds AND y.source = claim_batch.source AND y.key = u.k AND y.state = 'queued'
+                           LIMIT 1) h(held) ON true
+                     WHERE w.found IS NULL AND h.held IS NULL
+                     ORDER BY u.o
+                    ON CONFLICT DO NOTHING
+                    RETURNING e.key, e.token, e.attempts, e.lease_expires_at, e.first_seen, e.expires_at)
+                SELECT u.o::integer, coalesce(CASE WHEN i.key IS NOT NULL THEN 'acquired' END, r.settled),
+                       i.token, coalesce(i.attempts, r.attempts),
+                       CASE WHEN i.key IS NOT NULL THEN i.lease_expires_at
+                            WHEN r.settled IN ('in_progress', 'mismatch') THEN r.lease_expires_at END,
+                       CASE WHEN r.settled = 'completed' THEN r.result END,
+                       CASE WHEN r.settled IN ('failed', 'completed') THEN r.last_error END,
+                       coalesce(i.first_seen, r.first_seen), coalesce(i.expires_at, r.expires_at),
+                       CASE WHEN i.key IS NOT NULL THEN v_lease
+                            WHEN r.settled = 'in_progress' THEN greatest(r.lease_expires_at - v_now, interval '0') END,
+                       r.first_seen_month
+                  FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o)
+                  LEFT JOIN ins i ON i.key = u.k AND i.token = greatest(v_base # (u.o * 2654435761), 1)
+                  -- A key not inserted: its live row in the window (as the
+                  -- statement's snapshot has it, without the rows the
+                  -- statement inserts), answered when settled.
+                  LEFT JOIN LATERAL (
+                      SELECT x.first_seen_month, x.attempts, x.lease_expires_at, x.result, x.last_error, x.first_seen, x.expires_at,
+                             idem.settled_outcome(x.status, x.retryable, x.lease_expires_at, x.fingerprint,
+                                                  claim_batch.fingerprints[u.o], v_now) AS settled
+                        FROM idem.processed_events x
+                       WHERE i.key IS NULL AND x.source = claim_batch.source AND x.key = u.k
+                         AND x.first_seen_month >= v_lo AND x.first_seen_month <= v_hi
+                         AND x.expires_at > v_now
+                       LIMIT 1) r ON true
+                LOOP
+                    IF outcome IS NULL THEN
+                        v_rest := v_rest || ord;
+                        CONTINUE;
+                    END IF;
+                    RETURN NEXT;
+                    IF outcome = 'acquired' THEN
+                        v_acq := v_acq + 1;
+                    ELSE
+                        -- An answer read from a row: a duplicate (counted below).
+                        v_dups := v_dups + 1;
+                        IF v_per_key THEN
+                            f_ord := f_ord || ord;
+                            f_month := f_month || v_month;
+                        END IF;
+                    END IF;
+                END LOOP;
             END IF;
-        END LOOP;
+            IF cardinality(v_rest) = 0 AND NOT v_adopting THEN
+                v_nfirst := v_n;
+            ELSE
+                -- The positions without an answer (all of them when an
+                -- adoption started between the two reads of the settings):
+                -- each distinct key's first one is answered below as a
+                -- locked key, a repeated key's later ones at the end (every
+                -- position answered already counts as a first: the end
+                -- skips it).
+                SELECT coalesce(array_agg(g.o) FILTER (WHERE g.o = g.f AND (v_adopting OR g.o = ANY (v_rest))), '{}'),
+                       array_agg(g.o) FILTER (WHERE g.o = g.f OR NOT (v_adopting OR g.o = ANY (v_rest)))
+                  INTO v_locked, v_firsts
+                  FROM (SELECT u.o::integer AS o, min(u.o) OVER (PARTITION BY u.k)::integer AS f
+                          FROM unnest(claim_batch.keys) WITH ORDINALITY u(k, o)) g;
+                v_nfirst := cardinality(v_firsts);
+            END IF;
+        END IF;
+
+        IF cardinality(v_locked) > 0 THEN
+            -- One statement for the locked keys' common answers, read again
+            -- under their locks with a new snapshot:
+            -- * p: each key's live row in the window's other months (before
+            --   and after the current one, each an index lookup); a settled
+            --   one answers as idem.claim answers it; for a key with none, its
+            --   queue hold (a probe with LIMIT: an EXISTS may be planned as a
+            --   hash of every hold of the source);
+            -- * ins: a key with no row there and no hold is inserted into the
+            --   current month (ON CONFLICT DO NOTHING: the unique index reads
+            --   the current month for it, so it is not probed first): acquired;
+            -- * cur: a key the insert met a row of, or a held key, is answered
+            --   from its live row in the current month when that is settled;
+            --   a held key without one is in_progress.
+            -- What is left (a lost lease or a retryable failure to take over,
+            -- an expired row in the current month, a key while its source's
+            -- legacy table is adopted) is idem.claim's, below. Each answer is
+            -- returned as the statement yields it.
+            -- On Citus the statement is also each shard's claim_locked
+            -- (migration 30): idem.citus_claim_locked_definition cuts out
+            -- the lines between the two claim_locked markers below (keep
+            -- them around the whole statement, and nowhere else). It may
+            -- use only claim_batch.source, .keys, .fingerprints and
+            -- .event_types and the variables v_locked, v_now, v_lo, v_hi,
+            -- v_cur, v_ttl, v_lease, v_adopting, v_holds and v_base (else no
+            -- claim_locked is made), and its columns are those of this
+            -- loop's targets (claim_locked returns them).
+            FOR ord, outcome, token, attempt, lease_expires_at, result, error, first_seen, expires_at, lease_remaining, v_month IN
+            -- <claim_locked>
+            WITH p AS MATERIALIZED (
+                SELECT l.o, claim_batch.keys[l.o] AS k, e.*,
+                       CASE WHEN e.status IS NULL AND NOT v_adopting THEN h.held IS NOT NULL END AS held,
+                       idem.settled_outcome(e.status, e.retryable, e.lease_expires_at, e.fingerprint,
+                                            claim_batch.fingerprints[l.o], v_now) AS settled
+                  FROM unnest(v_locked) l(o)
+                  LEFT JOIN LATERAL (
+                      (SELECT x.first_seen_month, x.status, x.attempts, x.lease_expires_at, x.fingerprint, x.result,
+                              x.last_error, x.retryable, x.first_seen, x.expires_at
+                         FROM idem.processed_events x
+                        WHERE x.source = claim_batch.source AND x.key = claim_batch.keys[l.o]
+                          AND x.first_seen_month >= v_lo AND x.first_seen_month < v_cur
+                          AND x.expires_at > v_now
+                        LIMIT 1)
+                      UNION ALL
+                      (SELECT x.first_seen_month, x.status, x.attempts, x.lease_expires_at, x.fingerprint, x.result,
+                              x.last_error, x.retryable, x.first_seen, x.expires_at
+                         FROM idem.processed_events x
+                        WHERE x.source = claim_batch.source AND x.key = claim_batch.keys[l.o]
+                          AND x.first_seen_month >= (v_cur + interval '1 month')::date AND x.first_seen_month <= v_hi
+                          AND x.expires_at > v_now
+                        LIMIT 1)
+                      LIMIT 1) e ON true
+                  LEFT JOIN LATERAL (
+                      SELECT true AS held FROM idem.holds y
+                       WHERE v_holds AND y.source = claim_batch.source AND y.key = claim_batch.keys[l.o] AND y.state = 'queued'
+                       LIMIT 1) h ON e.status IS NULL AND NOT v_adopting),
+            ins AS (
+                INSERT INTO idem.processed_events AS e
+                       (source, key, first_seen_month, event_type, status, attempts, token,
+                        lease_expires_at, fingerprint, first_seen, updated_at, expires_at)
+                SELECT claim_batch.source, p.k, v_cur, claim_batch.event_types[p.o],
+                       'processing', 1, greatest(v_base # (p.o::bigint * 2654435761), 1), v_now + v_lease,
+                       claim_batch.fingerprints[p.o], v_now, v_now, v_now + greatest(v_ttl, v_lease)
+                  FROM p WHERE p.held = false
+                ON CONFLICT DO NOTHING
+                RETURNING e.key, e.token, e.attempts, e.lease_expires_at, e.first_seen, e.expires_at),
+            cur AS MATERIALIZED (
+                SELECT p.o, p.held, r.*,
+                       idem.settled_outcome(r.status, r.retryable, r.lease_expires_at, r.fingerprint,
+                                            claim_batch.fingerprints[p.o], v_now) AS settled
+                  FROM p
+                  LEFT JOIN LATERAL (
+                      SELECT x.first_seen_month, x.status, x.attempts, x.lease_expires_at, x.fingerprint, x.result,
+                             x.last_error, x.retryable, x.first_seen, x.expires_at
+                        FROM idem.processed_events x
+                       WHERE x.source = claim_batch.source AND x.key = p.k
+                         AND x.first_seen_month = v_cur AND x.expires_at > v_now
+                       LIMIT 1) r ON true
+                 WHERE p.held IS NOT NULL AND NOT EXISTS (SELECT 1 FROM ins i WHERE i.key = p.k)),
+            a AS (
+                SELECT p.o, p.settled AS outcome, NULL::bigint AS token, p.attempts,
+                       CASE WHEN p.settled IN ('in_progress', 'mismatch') THEN p.lease_expires_at END AS lease_at,
+                       CASE WHEN p.settled = 'completed' THEN p.result END AS result,
+                       CASE WHEN p.settled IN ('failed', 'completed') THEN p.last_error END AS error,
+                       p.first_seen, p.expires_at,
+                       CASE WHEN p.settled = 'in_progress' THEN greatest(p.lease_expires_at - v_now, interval '0') END AS left_,
+                       p.first_seen_month AS month
+                  FROM p WHERE p.settled IS NOT NULL
+                UNION ALL
+                SELECT r.o, r.settled, NULL, r.attempts,
+                       CASE WHEN r.settled IN ('in_progress', 'mismatch') THEN r.lease_expires_at END,
+                       CASE WHEN r.settled = 'completed' THEN r.result END,
+                       CASE WHEN r.settled IN ('failed', 'completed') THEN r.last_error END,
+                       r.first_seen, r.expires_at,
+                       CASE WHEN r.settled = 'in_progress' THEN greatest(r.lease_expires_at - v_now, interval '0') END,
+                       r.first_seen_month
+                  FROM cur r WHERE r.settled IS NOT NULL
+                UNION ALL
+                SELECT r.o, 'in_progress', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+                  FROM cur r WHERE r.held AND r.status IS NULL
+                UNION ALL
+                SELECT p.o, 'acquired', i.token, i.attempts, i.lease_expires_at, NULL, NULL, i.first_seen, i.expires_at,
+                       v_lease, NULL
+                  FROM ins i JOIN p ON p.k = i.key)
+            SELECT a.o, a.outcome, a.token, a.attempts, a.lease_at, a.result, a.error, a.first_seen, a.expires_at,
+                   a.left_, a.month
+              FROM a
+            -- </claim_locked>
+            LOOP
+                RETURN NEXT;
+                a_ord := a_ord || ord;
+                IF outcome = 'acquired' THEN
+                    v_acq := v_acq + 1;
+                ELSIF v_month IS NOT NULL THEN
+                    -- An answer read from a row: a duplicate (counted below).
+                    v_dups := v_dups + 1;
+                    IF v_per_key THEN
+                        f_ord := f_ord || ord;
+                        f_month := f_month || v_month;
+                    END IF;
+                END IF;
+            END LOOP;
+        END IF;
     END IF;
 
     -- Counting, as idem.claim counts (not in SERIALIZABLE; v_sample 0
