@@ -169,20 +169,14 @@ func layoutSchemaSQL(l layoutDef) string {
 	fmt.Fprintf(&b, "INSERT INTO lay.parts (schema, rel, parent, kind) VALUES ('%s', '%s.events_default', '%s.events', 'default');\n", s, s, s)
 
 	// The minimal claim of this layout: p_now is the simulated clock.
-	var probe, insCols, insVals string
+	probe := layoutProbe(l.kind)
+	var insCols, insVals string
 	switch l.kind {
 	case "base":
-		probe = `e.first_seen_month >= lay.month(p_now - make_interval(days => st.lookback_days))
-       AND e.first_seen_month <= lay.month(p_now + interval '1 day')`
 		insCols, insVals = "first_seen_month", "lay.month(p_now)"
 	case "class":
-		probe = `e.first_seen_month >= lay.month(p_now - make_interval(days => st.lookback_days))
-       AND e.first_seen_month <= lay.month(p_now + interval '1 day')
-       AND e.retention_class <= st.max_class`
 		insCols, insVals = "first_seen_month, retention_class", "lay.month(p_now), lay.class_of(st.ttl_days)"
 	case "retire":
-		probe = `e.retire_month >= lay.month(p_now - make_interval(days => st.lag_days))
-       AND e.retire_month <= lay.retire(p_now + make_interval(days => st.lookback_days + 1), p_now)`
 		insCols, insVals = "retire_month, first_seen_month", "lay.retire(p_now + make_interval(days => st.ttl_days), p_now), lay.month(p_now)"
 	}
 	fmt.Fprintf(&b, `CREATE FUNCTION %[1]s.claim(p_source text, p_key text, p_now timestamptz, OUT outcome text)
@@ -215,6 +209,22 @@ $f$;
 	return b.String()
 }
 
+// layoutProbe is the window of a layout's claim: the partitions a live
+// row of the key can be in.
+func layoutProbe(kind string) string {
+	switch kind {
+	case "class":
+		return `e.first_seen_month >= lay.month(p_now - make_interval(days => st.lookback_days))
+       AND e.first_seen_month <= lay.month(p_now + interval '1 day')
+       AND e.retention_class <= st.max_class`
+	case "retire":
+		return `e.retire_month >= lay.month(p_now - make_interval(days => st.lag_days))
+       AND e.retire_month <= lay.retire(p_now + make_interval(days => st.lookback_days + 1), p_now)`
+	}
+	return `e.first_seen_month >= lay.month(p_now - make_interval(days => st.lookback_days))
+       AND e.first_seen_month <= lay.month(p_now + interval '1 day')`
+}
+
 // layoutInsertSQL loads month m's keys into layout l.
 func layoutInsertSQL(l layoutDef) string {
 	var cols, vals string
@@ -241,6 +251,7 @@ type layoutBench struct {
 	ret    map[string]*retention
 	leaves map[string]int
 	sizes  map[string]layoutSize
+	plans  map[string]string // per layout: partitions scanned / relations locked by one probe, per source
 	notes  []string
 }
 
@@ -250,6 +261,8 @@ type retention struct {
 	dropWAL, deleteWAL, moveWAL int64
 	dropped, deleted, moved     int64
 	drops                       int
+	vacDur                      time.Duration // VACUUM of the leaves DELETE left dead rows in
+	vacWAL                      int64
 	months                      []monthRet
 }
 
@@ -295,7 +308,7 @@ func benchLayout(ctx context.Context, _ *env, o options, _ *table) error {
 	}
 	defer pool.Close()
 	lb := &layoutBench{cl: cl, pool: pool, n: n / layoutMonths,
-		ret: map[string]*retention{}, leaves: map[string]int{}, sizes: map[string]layoutSize{}}
+		ret: map[string]*retention{}, leaves: map[string]int{}, sizes: map[string]layoutSize{}, plans: map[string]string{}}
 	start := time.Now()
 	if _, err := pool.Exec(ctx, layoutCommon); err != nil {
 		return fmt.Errorf("common: %w", err)
@@ -562,6 +575,7 @@ func (lb *layoutBench) retain(ctx context.Context, l layoutDef, t time.Time) err
 		if !prune {
 			continue
 		}
+		deletedBefore := rt.deleted
 		w0, _ := lb.walLSN(ctx, c)
 		t0 := time.Now()
 		for {
@@ -581,6 +595,17 @@ func (lb *layoutBench) retain(ctx context.Context, l layoutDef, t time.Time) err
 		rt.deleteWAL += w1 - w0
 		month.dur += d
 		month.wal += w1 - w0
+		if rt.deleted > deletedBefore {
+			// What autovacuum would do next (it is off here so that the
+			// WAL of each step is its own): counted apart.
+			t0 := time.Now()
+			if _, err := c.Exec(ctx, "VACUUM "+p.rel); err != nil {
+				return err
+			}
+			w2, _ := lb.walLSN(ctx, c)
+			rt.vacDur += time.Since(t0)
+			rt.vacWAL += w2 - w1
+		}
 	}
 	// A: a month whose leaves are all gone goes too.
 	if l.kind == "class" {
@@ -668,8 +693,79 @@ func (lb *layoutBench) steady(ctx context.Context) error {
 		if _, err := lb.pool.Exec(ctx, "ANALYZE "+l.schema+".events"); err != nil {
 			return err
 		}
+		plan, err := lb.probePlan(ctx, l)
+		if err != nil {
+			return fmt.Errorf("probe plan %s: %w", l.schema, err)
+		}
+		lb.plans[l.schema] = plan
 	}
 	return nil
+}
+
+// probePlan runs the layout's probe as a generic plan once per source, in
+// a transaction, and counts the partitions it scanned (EXPLAIN ANALYZE)
+// and the relations the transaction then holds locks on (PostgreSQL 15
+// locks every partition of a generic plan at executor start).
+func (lb *layoutBench) probePlan(ctx context.Context, l layoutDef) (string, error) {
+	c, err := lb.pool.Acquire(ctx)
+	if err != nil {
+		return "", err
+	}
+	defer c.Release()
+	r := strings.NewReplacer("p_source", "$1", "p_key", "$2", "p_now", "$3", "st.lookback_days", "$4", "st.lag_days", "$5", "st.max_class", "$6")
+	q := fmt.Sprintf(`PREPARE layout_probe (text, text, timestamptz, int, int, smallint) AS
+	  SELECT e.status FROM %s.events e WHERE e.source = $1 AND e.key = $2 AND %s AND e.expires_at > $3 LIMIT 1`,
+		l.schema, r.Replace(layoutProbe(l.kind)))
+	if _, err := c.Exec(ctx, `SET plan_cache_mode = force_generic_plan`); err != nil {
+		return "", err
+	}
+	defer c.Exec(context.Background(), `DEALLOCATE layout_probe; RESET plan_cache_mode`) //nolint:errcheck
+	if _, err := c.Exec(ctx, q); err != nil {
+		return "", err
+	}
+	var out []string
+	for i, src := range append([]string{"warm"}, append(claimSources, "archive")...) {
+		if i == 0 {
+			src = "ledger" // the first execution builds the generic plan, which locks more
+		}
+		tx, err := c.Begin(ctx)
+		if err != nil {
+			return "", err
+		}
+		var lookback, lag, class int
+		if err := tx.QueryRow(ctx, fmt.Sprintf(`SELECT lookback_days, lag_days, max_class FROM %s.settings WHERE source = $1`, l.schema), src).Scan(&lookback, &lag, &class); err != nil {
+			tx.Rollback(ctx) //nolint:errcheck
+			return "", err
+		}
+		rows, err := tx.Query(ctx, fmt.Sprintf(`EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF, SUMMARY OFF) EXECUTE layout_probe ('%s', 'absent', '%s', %d, %d, %d)`,
+			src, claimNow().Format(time.RFC3339), lookback, lag, class))
+		if err != nil {
+			tx.Rollback(ctx) //nolint:errcheck
+			return "", err
+		}
+		lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			tx.Rollback(ctx) //nolint:errcheck
+			return "", err
+		}
+		scans := 0
+		for _, ln := range lines {
+			if strings.Contains(ln, "Scan") && strings.Contains(ln, " on ") {
+				scans++
+			}
+		}
+		var locks int
+		if err := tx.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'relation'
+		    AND relation IN (SELECT oid FROM pg_class WHERE relnamespace = $1::regnamespace)`, l.schema).Scan(&locks); err != nil {
+			tx.Rollback(ctx) //nolint:errcheck
+			return "", err
+		}
+		tx.Rollback(ctx) //nolint:errcheck
+		if i > 0 {
+			out = append(out, fmt.Sprintf("%s %d/%d", src, scans, locks))
+		}
+	}
+	return strings.Join(out, ", "), nil
 }
 
 // claimNow is the simulated clock of the claims: an hour into the month
@@ -959,7 +1055,34 @@ func (lb *layoutBench) upgrade(ctx context.Context) ([]upStep, error) {
 		   END LOOP; END $$`); err != nil {
 		return nil, err
 	}
-	// The new key's unique index, concurrently on each leaf, then attached.
+	// First way: a new parent with no key of its own (each retire month
+	// has its own primary key; a claim's ON CONFLICT DO NOTHING without a
+	// target checks every unique index of the leaf it inserts into), so
+	// today's tree attaches as it is.
+	if err := inTx("create the new parent by retire_month, no parent key",
+		`CREATE SCHEMA lay_up`,
+		`CREATE TABLE lay_up.events (LIKE lay_base.events INCLUDING DEFAULTS) PARTITION BY RANGE (retire_month)`); err != nil {
+		return nil, err
+	}
+	if err := inTx("1: attach today's tree as the legacy partition [MINVALUE, 1970-02-01)",
+		`ALTER TABLE lay_up.events ATTACH PARTITION lay_base.events FOR VALUES FROM (MINVALUE) TO ('1970-02-01')`); err != nil {
+		return nil, err
+	}
+	if err := inTx("1: make a retire month beside it, its own key",
+		`CREATE TABLE lay_up.events_2026_02 PARTITION OF lay_up.events FOR VALUES FROM ('2026-02-01') TO ('2026-03-01')`,
+		`ALTER TABLE lay_up.events_2026_02 ADD PRIMARY KEY (source, key, retire_month)`); err != nil {
+		return nil, err
+	}
+	var found1 int
+	if err := c.QueryRow(ctx, `SELECT count(*) FROM lay_up.events WHERE retire_month >= '1970-01-01' AND retire_month < '1970-02-01'`).Scan(&found1); err != nil {
+		return nil, err
+	}
+	if err := inTx("(undo 1 to try 2: detach the legacy partition)",
+		`ALTER TABLE lay_up.events DETACH PARTITION lay_base.events`); err != nil {
+		return nil, err
+	}
+	// Second way: a key on the new parent, which today's tree must match:
+	// its index built concurrently on each leaf, then attached.
 	t0 := time.Now()
 	rows, err := c.Query(ctx, `SELECT relid::text FROM pg_partition_tree('lay_base.events') WHERE isleaf`)
 	if err != nil {
@@ -974,26 +1097,21 @@ func (lb *layoutBench) upgrade(ctx context.Context) ([]upStep, error) {
 			return nil, fmt.Errorf("index %s: %w", leaf, err)
 		}
 	}
-	steps = append(steps, upStep{"unique (source, key, retire_month, first_seen_month) CONCURRENTLY on each leaf", time.Since(t0), "SHARE UPDATE EXCLUSIVE on each leaf in turn (CONCURRENTLY)"})
+	steps = append(steps, upStep{"2: unique (source, key, retire_month, first_seen_month) CONCURRENTLY on each leaf", time.Since(t0), "SHARE UPDATE EXCLUSIVE on each leaf in turn (CONCURRENTLY)"})
 	attachIdx := []string{`CREATE UNIQUE INDEX legacy_key ON ONLY lay_base.events (source, key, retire_month, first_seen_month)`}
 	for i, leaf := range leaves {
 		attachIdx = append(attachIdx, fmt.Sprintf(`ALTER INDEX lay_base.legacy_key ATTACH PARTITION %s.legacy_key_%d`, strings.Split(leaf, ".")[0], i))
 	}
-	if err := inTx("attach the leaves' indexes to one on today's parent", attachIdx...); err != nil {
+	if err := inTx("2: attach the leaves' indexes to one on today's parent", attachIdx...); err != nil {
 		return nil, err
 	}
-	if err := inTx("create the new parent by retire_month",
-		`CREATE SCHEMA lay_up`,
-		`CREATE TABLE lay_up.events (LIKE lay_base.events INCLUDING DEFAULTS) PARTITION BY RANGE (retire_month)`,
+	if err := inTx("2: a key on the new parent",
+		`ALTER TABLE lay_up.events_2026_02 DROP CONSTRAINT events_2026_02_pkey`,
 		`ALTER TABLE lay_up.events ADD CONSTRAINT events_key UNIQUE (source, key, retire_month, first_seen_month)`); err != nil {
 		return nil, err
 	}
-	if err := inTx("attach today's tree as the legacy partition [MINVALUE, 1970-02-01)",
+	if err := inTx("2: attach today's tree as the legacy partition [MINVALUE, 1970-02-01)",
 		`ALTER TABLE lay_up.events ATTACH PARTITION lay_base.events FOR VALUES FROM (MINVALUE) TO ('1970-02-01')`); err != nil {
-		return nil, err
-	}
-	if err := inTx("make the first retire months beside it",
-		`CREATE TABLE lay_up.events_2026_02 PARTITION OF lay_up.events FOR VALUES FROM ('2026-02-01') TO ('2026-03-01')`); err != nil {
 		return nil, err
 	}
 	after, err := files()
@@ -1010,7 +1128,7 @@ func (lb *layoutBench) upgrade(ctx context.Context) ([]upStep, error) {
 	if err := c.QueryRow(ctx, `SELECT count(*) FROM lay_up.events WHERE retire_month >= '1970-01-01' AND retire_month < '1970-02-01'`).Scan(&found); err != nil {
 		return nil, err
 	}
-	lb.notes = append(lb.notes, fmt.Sprintf("Upgrade: %d of %d leaves rewritten (relfilenode changed); %d legacy rows read through the new parent.", moved, len(before), found))
+	lb.notes = append(lb.notes, fmt.Sprintf("Upgrade: %d of %d leaves rewritten (relfilenode changed); legacy rows read through the new parent: %d (1), %d (2).", moved, len(before), found1, found))
 	return steps, nil
 }
 
@@ -1030,7 +1148,7 @@ func (lb *layoutBench) markdown(n int, took time.Duration, cpu map[string][]cpuR
 		n, layoutMonths, took.Round(time.Second), time.Now().UTC().Format(time.RFC3339))
 	fmt.Fprintf(&w, "ttl change at month 6 (forms 7 -> 90, ledger 400 -> 30): %v; 0.1%% of rows extended 45 days past retention; 0.1%% archive rows with a 10-year ttl.\n\n", layoutTTLChange)
 	w.WriteString("Retention over the year (every month's end): expired rows removed, time and WAL per row.\n\n")
-	w.WriteString("| layout | rows dropped | us/row | B WAL/row | rows deleted | us/row | B WAL/row | rows moved | us/row | B WAL/row | all: us/row | all: B WAL/row | drops |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+	w.WriteString("| layout | rows dropped | us/row | B WAL/row | rows deleted | us/row | B WAL/row | rows moved | us/row | B WAL/row | all: us/row | all: B WAL/row | drops | then VACUUM: us, B WAL per deleted row |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
 	per := func(d time.Duration, n int64) string {
 		if n == 0 {
 			return "-"
@@ -1046,11 +1164,12 @@ func (lb *layoutBench) markdown(n int, took time.Duration, cpu map[string][]cpuR
 	for _, l := range layouts {
 		r := lb.ret[l.schema]
 		all := r.dropped + r.deleted
-		fmt.Fprintf(&w, "| %s | %d | %s | %s | %d | %s | %s | %d | %s | %s | %s | %s | %d |\n", l.name,
+		fmt.Fprintf(&w, "| %s | %d | %s | %s | %d | %s | %s | %d | %s | %s | %s | %s | %d | %s, %s |\n", l.name,
 			r.dropped, per(r.dropDur, r.dropped), perB(r.dropWAL, r.dropped),
 			r.deleted, per(r.deleteDur, r.deleted), perB(r.deleteWAL, r.deleted),
 			r.moved, per(r.moveDur, r.moved), perB(r.moveWAL, r.moved),
-			per(r.dropDur+r.deleteDur+r.moveDur, all), perB(r.dropWAL+r.deleteWAL+r.moveWAL, all), r.drops)
+			per(r.dropDur+r.deleteDur+r.moveDur, all), perB(r.dropWAL+r.deleteWAL+r.moveWAL, all), r.drops,
+			per(r.vacDur, r.deleted), perB(r.vacWAL, r.deleted))
 	}
 	w.WriteString("\nPer month's end: retention time (ms) / WAL (kB) / rows removed / leaves after.\n\n| month end |")
 	for _, l := range layouts {
@@ -1070,6 +1189,10 @@ func (lb *layoutBench) markdown(n int, took time.Duration, cpu map[string][]cpuR
 		s := lb.sizes[l.schema]
 		fmt.Fprintf(&w, "| %s | %d | %d | %d | %.2f | %.1f | %.2f |\n", l.name, lb.leaves[l.schema], s.stored, s.live,
 			float64(s.stored)/float64(max(s.live, 1)), float64(s.bytes)/1e6, float64(s.bytes)/float64(max(s.liveBytes, 1)))
+	}
+	w.WriteString("\nOne probe of the window (the claim's SELECT, generic plan, a key that is absent), per source: partitions scanned / relations (tables and indexes) locked.\n\n| layout | leaves | source scanned/locked |\n|---|---|---|\n")
+	for _, l := range layouts {
+		fmt.Fprintf(&w, "| %s | %d | %s |\n", l.name, lb.leaves[l.schema], lb.plans[l.schema])
 	}
 	w.WriteString("\nThe minimal claim on the steady-state partitions: server CPU per claim transaction (backend /proc, one client, " +
 		strconv.Itoa(layoutClaims) + " claims, median (min..max) of 3 interleaved rounds), and 8 clients.\n\n")
