@@ -708,6 +708,28 @@ func (lb *layoutBench) steady(ctx context.Context) error {
 		if _, err := lb.pool.Exec(ctx, "ANALYZE "+l.schema+".events"); err != nil {
 			return err
 		}
+		// What retention left must be what the data says is live, and the
+		// claim must find it: every live row extended past retention or of
+		// the 10-year source, and one in 50 of the rest, answers completed
+		// (a claim that acquired one would be a duplicate let through).
+		var lost, notFound int64
+		if err := lb.pool.QueryRow(ctx, fmt.Sprintf(`SELECT (SELECT count(*) FROM generate_series(0, %d) m, lay.gen(m, $1, $2) g WHERE g.expires_at > $3)
+		     - (SELECT count(*) FROM %s.events WHERE expires_at > $3)`, layoutMonths-1, l.schema), lb.n, layoutTTLChange, end).Scan(&lost); err != nil {
+			return err
+		}
+		if lost != 0 {
+			return fmt.Errorf("%s: %d live rows missing after retention", l.schema, lost)
+		}
+		if err := lb.pool.QueryRow(ctx, fmt.Sprintf(`SELECT count(*) FROM (
+		    SELECT (SELECT outcome FROM %[1]s.claim(e.source, e.key, $2)) AS o FROM %[1]s.events e
+		     WHERE e.expires_at > $1 AND (extract(epoch FROM e.expires_at - e.first_seen) / 86400 NOT IN (lay.ttl(e.source, 0, $3), lay.ttl(e.source, 12, $3))
+		           OR e.source = 'archive' OR hashtext(e.key) %% 50 = 0)) x
+		  WHERE o IS DISTINCT FROM 'completed'`, l.schema), end, claimNow(), layoutTTLChange).Scan(&notFound); err != nil {
+			return err
+		}
+		if notFound != 0 {
+			return fmt.Errorf("%s: the claim did not find %d live rows", l.schema, notFound)
+		}
 		plan, err := lb.probePlan(ctx, l)
 		if err != nil {
 			return fmt.Errorf("probe plan %s: %w", l.schema, err)
