@@ -61,17 +61,20 @@ import (
 // 2026-01), 5 sources (forms 7 days, d30, d60, d90, ledger 400 days) plus
 // 0.1% of an "archive" source with a 10-year ttl; at month 6 forms goes
 // 7 -> 90 days and ledger 400 -> 30 (-layout-ttl-change=false: no
-// change); 0.1% of rows have their expires_at pushed 45 days past
-// retention after insert (a lease extended), without moving. Rotation and
-// retention run at every month's end; the claims run at the end of the
-// year on the steady-state partitions.
+// change); 0.1% of rows (-layout-extend-every) have their expires_at
+// pushed 45 days past retention after insert (a lease extended), without
+// moving. Rotation and retention run at every month's end; the claims run
+// in the year's last hour on the steady-state partitions.
 
 var (
 	layoutKeys      int
 	layoutTTLChange = true
 	layoutClaims    int
 	layoutFsyncOff  bool
-	layoutTable     string // the section's markdown, for the report
+	// One key in layoutExtendEvery (0: none) has its expires_at pushed 45
+	// days past retention after insert.
+	layoutExtendEvery = 997
+	layoutTable       string // the section's markdown, for the report
 )
 
 const (
@@ -120,14 +123,14 @@ INSERT INTO lay.sources VALUES ('forms'), ('d30'), ('d60'), ('d90'), ('ledger'),
 -- Month m's n keys, in first-seen order. expires_insert is what the claim
 -- wrote; expires_at is the row's expiry now (45 days later for the 0.1%
 -- whose lease was extended past retention).
-CREATE FUNCTION lay.gen(m int, n int, change bool)
+CREATE FUNCTION lay.gen(m int, n int, change bool, extend_every int)
 RETURNS TABLE (source text, key text, first_seen timestamptz, first_seen_month date, ttl int,
                expires_insert timestamptz, expires_at timestamptz, fingerprint text, result jsonb, token bigint)
 LANGUAGE sql STABLE AS $$
   SELECT s.source, md5(m || '-' || j), f.fs, lay.month(f.fs), lay.ttl(s.source, m, change),
          f.fs + make_interval(days => lay.ttl(s.source, m, change)),
          f.fs + make_interval(days => lay.ttl(s.source, m, change))
-              + CASE WHEN j % 997 = 7 THEN interval '45 days' ELSE interval '0' END,
+              + CASE WHEN extend_every > 0 AND j % extend_every = 7 THEN interval '45 days' ELSE interval '0' END,
          md5(j::text) || md5((j + 1)::text),
          jsonb_build_object('id', j, 'status', 'ok', 'amount', j % 100000, 'body', repeat(md5(m || ':' || j), 4)),
          (abs(hashtext(m || '/' || j))::bigint << 20) + j
@@ -245,7 +248,7 @@ func layoutInsertSQL(l layoutDef) string {
   fingerprint, result, first_seen, updated_at, completed_at, expires_at)
 SELECT g.source, g.key, %s, 'evt', 'completed', 1, g.token, NULL, g.fingerprint, g.result,
        g.first_seen, g.first_seen + interval '2 seconds', g.first_seen + interval '2 seconds', g.expires_at
-  FROM lay.gen($1, $2, $3) g`, l.schema, cols, vals)
+  FROM lay.gen($1, $2, $3, $4) g`, l.schema, cols, vals)
 }
 
 type layoutBench struct {
@@ -364,7 +367,7 @@ func (lb *layoutBench) year(ctx context.Context) error {
 			if err := lb.rotate(ctx, l, m); err != nil {
 				return fmt.Errorf("rotate %s month %d: %w", l.schema, m, err)
 			}
-			if _, err := lb.pool.Exec(ctx, layoutInsertSQL(l), m, lb.n, layoutTTLChange); err != nil {
+			if _, err := lb.pool.Exec(ctx, layoutInsertSQL(l), m, lb.n, layoutTTLChange, layoutExtendEvery); err != nil {
 				return fmt.Errorf("load %s month %d: %w", l.schema, m, err)
 			}
 		}
@@ -713,8 +716,8 @@ func (lb *layoutBench) steady(ctx context.Context) error {
 		// the 10-year source, and one in 50 of the rest, answers completed
 		// (a claim that acquired one would be a duplicate let through).
 		var lost, notFound int64
-		if err := lb.pool.QueryRow(ctx, fmt.Sprintf(`SELECT (SELECT count(*) FROM generate_series(0, %d) m, lay.gen(m, $1, $2) g WHERE g.expires_at > $3)
-		     - (SELECT count(*) FROM %s.events WHERE expires_at > $3)`, layoutMonths-1, l.schema), lb.n, layoutTTLChange, end).Scan(&lost); err != nil {
+		if err := lb.pool.QueryRow(ctx, fmt.Sprintf(`SELECT (SELECT count(*) FROM generate_series(0, %d) m, lay.gen(m, $1, $2, $4) g WHERE g.expires_at > $3)
+		     - (SELECT count(*) FROM %s.events WHERE expires_at > $3)`, layoutMonths-1, l.schema), lb.n, layoutTTLChange, end, layoutExtendEvery).Scan(&lost); err != nil {
 			return err
 		}
 		if lost != 0 {
@@ -1189,7 +1192,11 @@ func (lb *layoutBench) markdown(n int, took time.Duration, cpu map[string][]cpuR
 	}
 	fmt.Fprintf(&w, "### Retention layouts compared: %d keys over %d simulated months, %s, autovacuum off (took %s, %s)\n\n",
 		n, layoutMonths, server, took.Round(time.Second), time.Now().UTC().Format(time.RFC3339))
-	fmt.Fprintf(&w, "ttl change at month 6 (forms 7 -> 90, ledger 400 -> 30): %v; 0.1%% of rows extended 45 days past retention; 0.1%% archive rows with a 10-year ttl.\n\n", layoutTTLChange)
+	extended := "none"
+	if layoutExtendEvery > 0 {
+		extended = fmt.Sprintf("1 in %d", layoutExtendEvery)
+	}
+	fmt.Fprintf(&w, "ttl change at month 6 (forms 7 -> 90, ledger 400 -> 30): %v; rows extended 45 days past retention: %s; 0.1%% archive rows with a 10-year ttl.\n\n", layoutTTLChange, extended)
 	w.WriteString("Retention over the year (every month's end): expired rows removed, time and WAL per row.\n\n")
 	w.WriteString("| layout | rows dropped | us/row | B WAL/row | rows deleted | us/row | B WAL/row | rows moved | us/row | B WAL/row | all: us/row | all: B WAL/row | drops | then VACUUM: us, B WAL per deleted row |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
 	per := func(d time.Duration, n int64) string {

@@ -59,6 +59,7 @@ func main() {
 	flag.StringVar(&o.only, "only", "", "run only the sections whose name contains this (claim, dup, complete, lib, maint, retention, scale, inbox, wait, cache, otel, adopt, plans, dashboard, e2e, batch; ceiling, profile, upgrade, year and layout run only when named)")
 	flag.IntVar(&layoutKeys, "layout-keys", 0, "the layout section's keys over its 13 simulated months (default 300000, full 3000000)")
 	flag.BoolVar(&layoutTTLChange, "layout-ttl-change", layoutTTLChange, "the layout section: change two sources' ttls at month 6 (forms 7 -> 90 days, ledger 400 -> 30)")
+	flag.IntVar(&layoutExtendEvery, "layout-extend-every", layoutExtendEvery, "the layout section: one key in this many has its expiry pushed 45 days past retention after insert (0: none)")
 	flag.BoolVar(&layoutFsyncOff, "layout-fsync-off", false, "the layout section: a cluster with fsync off instead of a durable one")
 	flag.IntVar(&layoutClaims, "layout-claims", 0, "the layout section: claims per CPU measurement (default 1000)")
 	flag.IntVar(&yearKeys, "year-keys", 0, "the year section's new keys over the year (default 150000, full 100000000)")
