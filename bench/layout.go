@@ -20,9 +20,13 @@ import (
 
 // The layout section (opt-in: -only layout) is issue 56's measured
 // prototype of processed_events' retention layout: it builds candidate
-// layouts in scratch schemas of one throwaway durable cluster, loads the
-// same data into each, and measures what retention, claims and an online
-// upgrade cost in each. Nothing here is idem's schema: the tables have
+// layouts in scratch schemas of one throwaway cluster of its own (durable
+// unless -layout-fsync-off; autovacuum off, so that each step's WAL is its
+// own and the VACUUM a DELETE needs is measured apart), loads the same
+// data into each, and measures what retention (right after a CHECKPOINT
+// at each month's end), claims and an online upgrade cost in each. Before
+// the claims it checks that every layout kept exactly the live rows and
+// that its claim finds them. Nothing here is idem's schema: the tables have
 // processed_events' columns, and the claim is the minimal one (the key's
 // advisory lock, one read of the source's settings, one probe of the
 // window, one insert ON CONFLICT DO NOTHING; PL/pgSQL with
