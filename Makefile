@@ -64,6 +64,8 @@ soak:
 	IDEM_SOAK=1 go test -count=1 -v -timeout 60m -run 'TestDuplicateStorm|TestCrashMidWork|TestServerRestart|TestSenderHangsUpMidHandler|TestRecordingFailures|TestClockSkew|TestDuplicateBehindOpenTransaction' ./internal/reliability
 
 # The benchmark suite (docs/performance.md); BENCHFLAGS=-full for the full sizes.
+# Opt-in sections run only when named: BENCHFLAGS="-only ceiling", "-only profile",
+# "-only upgrade", "-only year", "-only layout" (issue 56's retention layouts).
 bench:
 	go run ./bench $(BENCHFLAGS)
 

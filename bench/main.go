@@ -56,7 +56,12 @@ func main() {
 	flag.IntVar(&o.rounds, "rounds", 0, "interleaved rounds per comparison (default 3, full 5)")
 	flag.DurationVar(&o.duration, "duration", 0, "length of one side of one round (default 2s, full 5s)")
 	flag.StringVar(&o.out, "out", "bench/results.md", "write the markdown table here too")
-	flag.StringVar(&o.only, "only", "", "run only the sections whose name contains this (claim, dup, complete, lib, maint, retention, scale, inbox, wait, cache, otel, adopt, plans, dashboard, e2e, batch; ceiling, profile, upgrade and year run only when named)")
+	flag.StringVar(&o.only, "only", "", "run only the sections whose name contains this (claim, dup, complete, lib, maint, retention, scale, inbox, wait, cache, otel, adopt, plans, dashboard, e2e, batch; ceiling, profile, upgrade, year and layout run only when named)")
+	flag.IntVar(&layoutKeys, "layout-keys", 0, "the layout section's keys over its 13 simulated months (default 300000, full 3000000)")
+	flag.BoolVar(&layoutTTLChange, "layout-ttl-change", layoutTTLChange, "the layout section: change two sources' ttls at month 6 (forms 7 -> 90 days, ledger 400 -> 30)")
+	flag.IntVar(&layoutExtendEvery, "layout-extend-every", layoutExtendEvery, "the layout section: one key in this many has its expiry pushed 45 days past retention after insert (0: none)")
+	flag.BoolVar(&layoutFsyncOff, "layout-fsync-off", false, "the layout section: a cluster with fsync off instead of a durable one")
+	flag.IntVar(&layoutClaims, "layout-claims", 0, "the layout section: claims per CPU measurement (default 1000)")
 	flag.IntVar(&yearKeys, "year-keys", 0, "the year section's new keys over the year (default 150000, full 100000000)")
 	flag.IntVar(&yearDays, "year-days", yearDays, "the year section's simulated days")
 	flag.StringVar(&yearPrevious, "year-previous-idemctl", "", "the year section: the idemctl of the previous schema version, which maintains the database until the mid-year upgrade (default: built from git; \"-\": no maintenance before the upgrade)")
@@ -217,16 +222,17 @@ func run(ctx context.Context, o options) error {
 		{"dashboard", benchDashboard},
 		{"e2e", func(ctx context.Context, e *env, o options, _ *table) error { return benchE2E(ctx, e, o, e2e) }},
 		{"batch", func(ctx context.Context, e *env, o options, _ *table) error { return benchBatch(ctx, e, o, batch) }},
-		// Opt-in: -only ceiling, -only profile, -only upgrade, -only year.
+		// Opt-in: -only ceiling, -only profile, -only upgrade, -only year, -only layout.
 		{"ceiling", func(ctx context.Context, e *env, o options, _ *table) error {
 			return benchCeiling(ctx, e, o, ceiling, floor)
 		}},
 		{"profile", func(ctx context.Context, e *env, o options, _ *table) error { return benchProfile(ctx, e, o, profile) }},
 		{"upgrade", benchUpgrade},
 		{"year", benchYear},
+		{"layout", benchLayout},
 	}
 	for _, s := range sections {
-		if (o.only != "" && !strings.Contains(s.name, o.only)) || (o.only == "" && (s.name == "ceiling" || s.name == "profile" || s.name == "upgrade" || s.name == "year")) {
+		if (o.only != "" && !strings.Contains(s.name, o.only)) || (o.only == "" && (s.name == "ceiling" || s.name == "profile" || s.name == "upgrade" || s.name == "year" || s.name == "layout")) {
 			continue
 		}
 		fmt.Fprintf(os.Stderr, "bench: %s...\n", s.name)
@@ -256,6 +262,9 @@ func run(ctx context.Context, o options) error {
 	}
 	if yearTable != "" {
 		fmt.Fprintf(&w, "## A year in an hour\n\n%s", yearTable)
+	}
+	if layoutTable != "" {
+		fmt.Fprintf(&w, "## Retention layouts compared\n\n%s", layoutTable)
 	}
 	fmt.Fprintf(&w, "## The rest (settings above)\n\n")
 	t.write(&w)
