@@ -362,7 +362,7 @@ BEGIN
                        (source, key, first_seen_month, status, attempts, token, first_seen, updated_at, expires_at)
                 SELECT claim_batch.source, claim_batch.keys[l.o], m.m, 'processing', 1, 0, v_now, v_now, v_now
                   FROM unnest(v_locked) l(o),
-                       (SELECT d::date AS m FROM generate_series(v_lo, v_hi, interval '1 month') d) m
+                       (SELECT d::date AS m FROM generate_series(idem.serializable_floor(v_now, v_lo), v_hi, interval '1 month') d) m
                  WHERE m.m <> v_cur
                 ON CONFLICT DO NOTHING
                 RETURNING e.key, e.first_seen_month)
