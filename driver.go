@@ -145,8 +145,10 @@ func newPgxDriver(db PgxExecutor, mode *execMode) pgxDriver {
 }
 
 // uncounted is the statement that marks a transaction's claims as not to
-// be counted as duplicates (migration 15's idem.count_duplicate).
-const uncounted = `SELECT pg_catalog.set_config('idem.uncounted', 'on', true)`
+// be counted as duplicates (idem.count_duplicate). The mark is the
+// transaction's start time: a value another client left in the session
+// marks nothing.
+const uncounted = `SELECT pg_catalog.set_config('idem.uncounted', pg_catalog.now()::pg_catalog.text, true)`
 
 // execMode is the pgx query execution mode of a Client's protocol
 // statements, shared by the clients WithTx derives from it. Zero (adaptive)

@@ -13,10 +13,13 @@ BEGIN
     IF pg_catalog.current_setting('transaction_read_only') = 'on' THEN
         RETURN;
     END IF;
-    -- (version 15) A waiting duplicate's claim after its wait (WithWait)
-    -- runs in a transaction marked idem.uncounted: its first claim, which
-    -- found the key in progress, counted it already.
-    IF pg_catalog.current_setting('idem.uncounted', true) = 'on' THEN
+    -- A waiting duplicate's claim after its wait (WithWait) runs in a
+    -- transaction marked idem.uncounted: its first claim, which found the
+    -- key in progress, counted it already. The mark is the transaction's
+    -- start time, so a value left in the session (any role can set one, and
+    -- a transaction-mode pooler carries it to the next client) marks no
+    -- other transaction.
+    IF pg_catalog.current_setting('idem.uncounted', true) OPERATOR(pg_catalog.=) pg_catalog.now()::pg_catalog.text THEN
         RETURN;
     END IF;
     INSERT INTO idem.duplicate_counts AS d (source, slot, duplicates, since, last_seen_at)
