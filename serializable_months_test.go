@@ -27,11 +27,47 @@ import (
 // (before 21: a few keys twice in a run this size).
 func TestSerializableClaimsAcrossMonths(t *testing.T) {
 	t.Parallel()
+	url := testdb.New(t)
+	acquired, rows := raceAcrossMonths(t, url)
+	acquired.requireOnceEach(t, rows)
+}
+
+// TestSerializableClaimsAcrossMonthsNegativeControl: the same race with
+// idem.serializable_placeholders made a no-op (the guard of idem.claim's
+// short path and of idem.claim_general) acquires some key twice, or the
+// race is not strong enough to prove anything.
+func TestSerializableClaimsAcrossMonthsNegativeControl(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	url := testdb.New(t)
+	admin := testdb.Pool(t, url, 1)
+	if _, err := admin.Exec(ctx, `CREATE OR REPLACE FUNCTION idem.serializable_placeholders(p_source text, p_key text, p_now timestamptz, p_lo date, p_hi date)
+		RETURNS void LANGUAGE sql AS 'SELECT'`); err != nil {
+		t.Fatal(err)
+	}
+	for range 3 {
+		acquired, _ := raceAcrossMonths(t, url)
+		for _, n := range acquired.n {
+			if n > 1 {
+				return
+			}
+		}
+	}
+	t.Fatal("three races without the placeholders acquired no key twice: the race proves nothing")
+}
+
+// raceAcrossMonths runs the race on the database at url (its own source
+// "months", after what an earlier run left) and returns what was acquired
+// and the rows of the source.
+func raceAcrossMonths(t *testing.T, url string) (*tally, int) {
+	t.Helper()
+	ctx := context.Background()
 	boundary := testdb.MonthStart(time.Now(), 0)
 	admin := testdb.Pool(t, url, 2)
 	if _, err := admin.Exec(ctx, `SELECT idem.create_partition($1)`, boundary.AddDate(0, -1, 0)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.Exec(ctx, `DELETE FROM idem.processed_events WHERE source = 'months'`); err != nil {
 		t.Fatal(err)
 	}
 	const (
@@ -43,7 +79,7 @@ func TestSerializableClaimsAcrossMonths(t *testing.T) {
 		testdb.PoolAt(t, url, workers/2, boundary.Add(-time.Millisecond)),
 		testdb.PoolAt(t, url, workers/2, boundary.Add(time.Millisecond)),
 	}
-	var acquired tally
+	acquired := &tally{}
 	var wg sync.WaitGroup
 	errs := make(chan error, workers)
 	for w := range workers {
@@ -97,5 +133,85 @@ func TestSerializableClaimsAcrossMonths(t *testing.T) {
 	if err := admin.QueryRow(ctx, `SELECT count(*) FROM idem.processed_events WHERE source = 'months'`).Scan(&rows); err != nil {
 		t.Fatal(err)
 	}
-	acquired.requireOnceEach(t, rows)
+	return acquired, rows
+}
+
+// TestSerializablePlaceholdersOldTransaction: a SERIALIZABLE claim puts
+// its placeholders only in the months a claim committed after its snapshot
+// can have written, unless a transaction that took its id before the last
+// checkpoint is still open. Here such a transaction (an RC claim whose
+// clock reads 40 days ago, as if it had read it then) claims a key of a
+// 400-day source after the SERIALIZABLE transaction took its snapshot, and
+// commits; the SERIALIZABLE claim of the key then fails with a
+// serialization failure instead of acquiring it again. The negative
+// control: the same old clock in a transaction that took its id after the
+// checkpoint (outside the day of margin the design allows for a writer's
+// clock) is not met, and the key is acquired twice, so the first case
+// proves the old transaction is what widened the placeholders.
+func TestSerializablePlaceholdersOldTransaction(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	admin := testdb.Pool(t, url, 2)
+	then := time.Now().Add(-40 * 24 * time.Hour)
+	if _, err := admin.Exec(ctx, `INSERT INTO idem.policies (source, ttl, lease) VALUES ('ledger', '400 days', '1 minute')`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.Exec(ctx, `SELECT idem.create_partition(date_trunc('month', $1::timestamptz AT TIME ZONE 'UTC')::date)`, then); err != nil {
+		t.Fatal(err)
+	}
+	race := func(t *testing.T, key string, idFirst bool) (outcome string, err error) {
+		t.Helper()
+		old, err := admin.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = old.Rollback(ctx) }()
+		if idFirst {
+			if _, err := old.Exec(ctx, `SELECT pg_current_xact_id()`); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if _, err := admin.Exec(ctx, `CHECKPOINT`); err != nil {
+			t.Fatal(err)
+		}
+		conn, err := pgx.Connect(ctx, url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close(ctx)
+		ser, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = ser.Rollback(ctx) }()
+		if _, err := ser.Exec(ctx, `SELECT 1`); err != nil { // the snapshot
+			t.Fatal(err)
+		}
+		var first string
+		if err := old.QueryRow(ctx, `SELECT c.outcome FROM (SELECT set_config('idem.test_now', $1, true)) s, idem.claim('ledger', $2) c`,
+			then.Format(time.RFC3339Nano), key).Scan(&first); err != nil || first != "acquired" {
+			t.Fatalf("the old transaction's claim: %q %v", first, err)
+		}
+		if err := old.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+		err = ser.QueryRow(ctx, `SELECT outcome FROM idem.claim('ledger', $1)`, key).Scan(&outcome)
+		if err == nil {
+			err = ser.Commit(ctx)
+		}
+		return outcome, err
+	}
+	t.Run("an old transaction widens the placeholders", func(t *testing.T) {
+		outcome, err := race(t, "k-old", true)
+		if !isSerialization(err) {
+			t.Fatalf("the SERIALIZABLE claim of a key committed into a month 40 days back by a transaction older than the checkpoint: %q %v, want a serialization failure", outcome, err)
+		}
+	})
+	t.Run("negative control: a young transaction with an old clock", func(t *testing.T) {
+		outcome, err := race(t, "k-young", false)
+		if err != nil || outcome != "acquired" {
+			t.Fatalf("outside the design's day of margin the narrow placeholders should miss the row (the control proves nothing otherwise): %q %v", outcome, err)
+		}
+	})
 }

@@ -55,10 +55,13 @@ BEGIN
              WHERE s.at IS NOT NULL
                AND octet_length(s.key) BETWEEN 1 AND 512 AND btrim(s.key, E' \t\r\n') <> ''
              ORDER BY s.key, s.at DESC),
+        -- Into the month of the copy's clock ($4), not of the legacy
+        -- stamp (first_seen keeps it): every writer of a key's row writes
+        -- into the month of its clock (idem.serializable_placeholders).
         ins AS (
             INSERT INTO idem.processed_events AS p
                    (source, key, first_seen_month, status, attempts, token, result, first_seen, updated_at, completed_at, expires_at)
-            SELECT $3, v.key, idem.utc_month(v.at), 'completed', 1, idem.new_token(), v.result, v.at, $4, v.at, v.at + $5
+            SELECT $3, v.key, idem.utc_month($4), 'completed', 1, idem.new_token(), v.result, v.at, $4, v.at, v.at + $5
               FROM valid v
              WHERE v.at + $5 > $4
                AND NOT EXISTS (SELECT 1 FROM idem.processed_events x

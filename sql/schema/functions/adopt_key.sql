@@ -58,9 +58,13 @@ BEGIN
     END IF;
     -- A stamp in the future is taken as now, as the copy takes it.
     v_at := LEAST(v_at, adopt_key.now);
+    -- In the month of this claim's clock, not of the legacy stamp: every
+    -- writer of a key's row writes into the month of its clock, which is
+    -- what a SERIALIZABLE claim's placeholders count on
+    -- (idem.serializable_placeholders). first_seen keeps the stamp.
     INSERT INTO idem.processed_events
            (source, key, first_seen_month, status, attempts, token, result, first_seen, updated_at, completed_at, expires_at)
-    VALUES (a.source, adopt_key.key, idem.utc_month(v_at), 'completed', 1, idem.new_token(), v_res, v_at, adopt_key.now, v_at, v_at + a.ttl)
+    VALUES (a.source, adopt_key.key, idem.utc_month(adopt_key.now), 'completed', 1, idem.new_token(), v_res, v_at, adopt_key.now, v_at, v_at + a.ttl)
     ON CONFLICT DO NOTHING;
 END
 $function$;

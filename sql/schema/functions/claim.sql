@@ -26,8 +26,8 @@ BEGIN
     -- anything is written: bad input, REPEATABLE READ, Citus, another claim
     -- of the key in an open transaction, a lookback to raise, a lost lease
     -- or retryable failure to take over, a hold, an adoption in progress,
-    -- an expired row of the key in the current month, a new key in a
-    -- SERIALIZABLE transaction.
+    -- an expired row of the key in the current month. A new key in a
+    -- SERIALIZABLE transaction stays on it, with its placeholders.
     IF v_iso = 'repeatable read'
        OR claim.source IS NULL OR claim.key IS NULL
        OR octet_length(claim.source) NOT BETWEEN 1 AND 64 OR octet_length(claim.key) NOT BETWEEN 1 AND 512
@@ -97,12 +97,18 @@ BEGIN
         END IF;
         RETURN;
     END IF;
-    IF v_iso = 'serializable'
-       OR (s.holds AND EXISTS (SELECT FROM idem.holds h
-                                WHERE h.source = claim.source AND h.key = claim.key AND h.state = 'queued')) THEN
+    IF s.holds AND EXISTS (SELECT FROM idem.holds h
+                            WHERE h.source = claim.source AND h.key = claim.key AND h.state = 'queued') THEN
         SELECT * INTO outcome, token, attempt, lease_expires_at, result, error, first_seen, expires_at, lease_remaining
           FROM idem.claim_general(claim.source, claim.key, claim.fingerprint, claim.ttl, claim.lease, claim.event_type, claim.lock_wait);
         RETURN;
+    END IF;
+    -- SERIALIZABLE: the placeholders that meet a claim of this key
+    -- committed into another month after this transaction's snapshot
+    -- (idem.serializable_placeholders), as idem.claim_general writes them.
+    IF v_iso = 'serializable' THEN
+        PERFORM idem.serializable_placeholders(claim.source, claim.key, v_now,
+                    idem.window_start(v_now, s.lookback), idem.utc_month(v_now + interval '1 day'));
     END IF;
     token := idem.new_token();
     INSERT INTO idem.processed_events AS e
@@ -124,7 +130,9 @@ BEGIN
     lease_expires_at := v_now + lease_remaining;
     first_seen       := v_now;
     expires_at       := v_now + greatest(coalesce(claim.ttl, s.ttl), lease_remaining);
-    IF s.duplicate_sampling > 0 THEN
+    -- Not counted in SERIALIZABLE (as idem.claim_general): every claim
+    -- writing the same counters would make SSI abort them.
+    IF s.duplicate_sampling > 0 AND v_iso <> 'serializable' THEN
         v_weight := idem.claim_weight(claim.source, s.duplicate_sampling, v_now);
         IF v_weight > 0 THEN
             PERFORM idem.count_activity(claim.source, v_now, v_weight, 0);

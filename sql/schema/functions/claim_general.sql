@@ -30,7 +30,6 @@ DECLARE
     v_adopt    bigint;
     v_adopt_seen boolean := false;
     v_token    bigint;
-    v_placed   date[];
     v_copy     text;
     v_weight   integer;
 BEGIN
@@ -231,26 +230,9 @@ BEGIN
                 END IF;
                 -- SERIALIZABLE: a claim of this key committed into another
                 -- month after this transaction's snapshot is not seen by
-                -- the probe above. A placeholder insert into each other
-                -- month of the window meets it (40001 on a committed row
-                -- the snapshot cannot see); the ones that went in are
-                -- deleted again. One statement for every month.
+                -- the probe above (idem.serializable_placeholders).
                 IF v_iso = 'serializable' AND current_setting('idem.citus', true) IS DISTINCT FROM 'on' THEN
-                    WITH ph AS (
-                        INSERT INTO idem.processed_events AS e
-                               (source, key, first_seen_month, status, attempts, token, first_seen, updated_at, expires_at)
-                        SELECT claim_general.source, claim_general.key, g::date, 'processing', 1, 0, v_now, v_now, v_now
-                          FROM generate_series(v_lo::timestamp, v_hi::timestamp, interval '1 month') g
-                         WHERE g::date <> idem.utc_month(v_now)
-                        ON CONFLICT DO NOTHING
-                        RETURNING e.first_seen_month)
-                    SELECT array_agg(ph.first_seen_month) INTO v_placed FROM ph;
-                    IF v_placed IS NOT NULL THEN
-                        DELETE FROM idem.processed_events e
-                         WHERE e.source = claim_general.source AND e.key = claim_general.key
-                           AND e.first_seen_month BETWEEN v_lo AND v_hi
-                           AND e.first_seen_month = ANY (v_placed) AND e.token = 0;
-                    END IF;
+                    PERFORM idem.serializable_placeholders(claim_general.source, claim_general.key, v_now, v_lo, v_hi);
                 END IF;
                 -- None: a new row in the current month (under the key's
                 -- lock no other claim of the key writes meanwhile). (version
