@@ -11,25 +11,20 @@ import (
 	"github.com/idemkit/idem/internal/testdb"
 )
 
-// TestSessionSettingsCarriedOver: the session settings idem's functions
-// read, set at session level by the application's role (any role can, and
-// a transaction-mode pooler carries them to the next client of the server
-// connection), change nothing for the claims that follow.
-//
-// idem.citus = on: claims of new keys and duplicates, in READ COMMITTED and
-// SERIALIZABLE, and a batch are answered as without it (the functions that
-// read it carry SET idem.citus = off). Before, every claim failed with
-// 42883 (Citus' function missing).
-//
-// idem.uncounted = on, and the mark of a transaction that ended: every
-// duplicate is still counted. Before, none was. The mark of the claim's own
-// transaction (what WithWait sets) still keeps its duplicate uncounted.
+// TestSessionSettingsCarriedOver: idem.uncounted, the session setting a
+// waiting duplicate's transaction sets so that its second claim is not
+// counted again, set at session level by the application's role (any role
+// can, and a transaction-mode pooler carries it to the next client of the
+// server connection) to 'on' or to the mark of a transaction that ended:
+// every duplicate is still counted. Before migration 29, none was. The
+// mark of the claim's own transaction (what WithWait sets) still keeps its
+// duplicate uncounted.
 func TestSessionSettingsCarriedOver(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	url := testdb.New(t)
 	admin := testdb.Pool(t, url, 2)
-	role := fmt.Sprintf("citus_on_app_%d", time.Now().UnixNano()%1e9)
+	role := fmt.Sprintf("uncounted_app_%d", time.Now().UnixNano()%1e9)
 	if _, err := admin.Exec(ctx, `CREATE ROLE `+role+` NOLOGIN; SELECT idem.grant_app('`+role+`')`); err != nil {
 		t.Fatal(err)
 	}
@@ -41,7 +36,7 @@ func TestSessionSettingsCarriedOver(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Close(ctx)
-	if _, err := conn.Exec(ctx, `SET ROLE `+role+`; SELECT set_config('idem.citus', 'on', false)`); err != nil {
+	if _, err := conn.Exec(ctx, `SET ROLE `+role); err != nil {
 		t.Fatal(err)
 	}
 	claim := func(t *testing.T, tx pgx.Tx, key, want string) {
@@ -54,42 +49,13 @@ func TestSessionSettingsCarriedOver(t *testing.T) {
 		}
 		var outcome string
 		if err := q.QueryRow(ctx, `SELECT outcome FROM idem.claim('s', $1)`, key).Scan(&outcome); err != nil || outcome != want {
-			t.Fatalf("claim %s with idem.citus = on in the session: %q %v, want %s", key, outcome, err, want)
+			t.Fatalf("claim %s: %q %v, want %s", key, outcome, err, want)
 		}
 	}
-	t.Run("read committed", func(t *testing.T) {
-		var outcome, done string
-		if err := conn.QueryRow(ctx, `SELECT c.outcome, idem.complete('s', 'k1', c.token, '1') FROM idem.claim('s', 'k1') c`).Scan(&outcome, &done); err != nil ||
-			outcome != "acquired" || done != "completed" {
-			t.Fatalf("claim and complete k1 with idem.citus = on in the session: %q %q %v", outcome, done, err)
-		}
-		claim(t, nil, "k1", "completed")
-	})
-	t.Run("serializable", func(t *testing.T) {
-		tx, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer func() { _ = tx.Rollback(ctx) }()
-		claim(t, tx, "k2", "acquired")
-		if err := tx.Commit(ctx); err != nil {
-			t.Fatal(err)
-		}
-		claim(t, nil, "k2", "in_progress")
-	})
-	t.Run("batch", func(t *testing.T) {
-		rows, err := conn.Query(ctx, `SELECT outcome FROM idem.claim_batch('s', ARRAY['k1', 'k3']) ORDER BY ord`)
-		if err != nil {
-			t.Fatal(err)
-		}
-		got, err := pgx.CollectRows(rows, pgx.RowTo[string])
-		if err != nil || len(got) != 2 || got[0] != "completed" || got[1] != "acquired" {
-			t.Fatalf("batch of k1 (completed) and k3 (new) with idem.citus = on in the session: %v %v", got, err)
-		}
-	})
-	var setting string
-	if err := conn.QueryRow(ctx, `SELECT current_setting('idem.citus')`).Scan(&setting); err != nil || setting != "on" {
-		t.Fatalf("the session's own setting: %q %v", setting, err)
+	var outcome, done string
+	if err := conn.QueryRow(ctx, `SELECT c.outcome, idem.complete('s', 'k1', c.token, '1') FROM idem.claim('s', 'k1') c`).Scan(&outcome, &done); err != nil ||
+		outcome != "acquired" || done != "completed" {
+		t.Fatalf("claim and complete k1: %q %q %v", outcome, done, err)
 	}
 	t.Run("uncounted", func(t *testing.T) {
 		counted := func() (n int64) {

@@ -367,3 +367,34 @@ func TestDocCallsMatchSignatures(t *testing.T) {
 		}
 	}
 }
+
+// TestNoConflictMarkers: no Markdown file of the repository keeps the
+// markers of a merge conflict left unresolved (docs/performance.md kept
+// three for a session: both sides' sections, the markers between them).
+func TestNoConflictMarkers(t *testing.T) {
+	err := filepath.WalkDir(root, func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() && (d.Name() == ".git" || d.Name() == "node_modules") {
+			return filepath.SkipDir
+		}
+		if d.IsDir() || !strings.HasSuffix(path, ".md") {
+			return nil
+		}
+		b, err := os.ReadFile(path)
+		if err != nil {
+			return err
+		}
+		for i, line := range strings.Split(string(b), "\n") {
+			if strings.HasPrefix(line, "<<<<<<< ") || strings.HasPrefix(line, ">>>>>>> ") || line == "=======" {
+				rel, _ := filepath.Rel(root, path)
+				t.Errorf("%s:%d: a merge conflict's marker: %q", rel, i+1, line)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}

@@ -7,7 +7,6 @@ CREATE OR REPLACE FUNCTION idem.claim(source text, key text, fingerprint text DE
  SECURITY DEFINER
  SET search_path TO 'pg_catalog', 'pg_temp'
  SET plan_cache_mode TO 'force_generic_plan'
- SET "idem.citus" TO 'off'
 AS $function$
 #variable_conflict use_column
 DECLARE

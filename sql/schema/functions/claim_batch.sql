@@ -7,7 +7,6 @@ CREATE OR REPLACE FUNCTION idem.claim_batch(source text, keys text[], fingerprin
  SECURITY DEFINER
  SET search_path TO 'pg_catalog', 'pg_temp'
  SET plan_cache_mode TO 'force_generic_plan'
- SET "idem.citus" TO 'off'
 AS $function$
 #variable_conflict use_column
 DECLARE
@@ -296,7 +295,7 @@ BEGIN
                        (source, key, first_seen_month, status, attempts, token, first_seen, updated_at, expires_at)
                 SELECT claim_batch.source, claim_batch.keys[l.o], m.m, 'processing', 1, 0, v_now, v_now, v_now
                   FROM unnest(v_locked) l(o),
-                       (SELECT d::date AS m FROM generate_series(v_lo, v_hi, interval '1 month') d) m
+                       (SELECT d::date AS m FROM generate_series(idem.serializable_floor(v_now, v_lo), v_hi, interval '1 month') d) m
                  WHERE m.m <> v_cur
                 ON CONFLICT DO NOTHING
                 RETURNING e.key, e.first_seen_month)

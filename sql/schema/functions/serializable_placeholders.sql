@@ -6,44 +6,16 @@ CREATE OR REPLACE FUNCTION idem.serializable_placeholders(p_source text, p_key t
  LANGUAGE plpgsql
  SET search_path TO 'pg_catalog', 'pg_temp'
 AS $function$
-DECLARE
-    v_ckpt record;
-    v_lo   date := p_lo;
 BEGIN
-    -- A SERIALIZABLE claim's snapshot cannot see a claim of the same key
-    -- committed after it into another month's partition. A placeholder
-    -- insert of the key into such a month meets every committed row of the
-    -- unique index, visible or not, and on one the snapshot cannot see it
-    -- fails with 40001 (the caller retries with a snapshot that sees it).
-    --
-    -- Which months: every writer of a key's row puts it in the month of
-    -- its own clock, read just before it writes (a claim, a batch, an
-    -- adoption; a take-over updates the row where it is, which the
-    -- snapshot sees and the update meets). A transaction that commits
-    -- after this snapshot was running when it was taken, or began after.
-    -- If no transaction running then had taken its transaction id before
-    -- the last checkpoint began (the snapshot's xmin is not older than the
-    -- checkpoint's next xid), every such writer took its id, and so read
-    -- its clock, after the checkpoint's start less the day of margin the
-    -- design allows for a clock stepped back or a writer stalled between
-    -- its clock and its insert: the months from then to a day ahead of now
-    -- are enough. Otherwise (a transaction older than the checkpoint is
-    -- still open, or no checkpoint can be read) every month of the window.
-    SELECT c.checkpoint_time, c.next_xid INTO v_ckpt FROM pg_catalog.pg_control_checkpoint() c;
-    IF v_ckpt.next_xid OPERATOR(pg_catalog.~) '^[0-9]+:[0-9]+$' AND v_ckpt.checkpoint_time IS NOT NULL
-       AND pg_catalog.pg_snapshot_xmin(pg_catalog.pg_current_snapshot())::pg_catalog.text::pg_catalog.numeric
-           OPERATOR(pg_catalog.>=) ((pg_catalog.split_part(v_ckpt.next_xid, ':', 1)::pg_catalog.numeric OPERATOR(pg_catalog.*) 4294967296)
-                                    OPERATOR(pg_catalog.+) pg_catalog.split_part(v_ckpt.next_xid, ':', 2)::pg_catalog.numeric) THEN
-        v_lo := GREATEST(p_lo, idem.utc_month(LEAST(v_ckpt.checkpoint_time, p_now) OPERATOR(pg_catalog.-) interval '1 day'));
-    END IF;
-    -- The placeholders that went in are undone at once by the rollback of
-    -- this block (SQLSTATE ID011, raised and caught here only), which costs
-    -- less than deleting them again.
+    -- A placeholder of the key in each month from idem.serializable_floor
+    -- to p_hi but the current one. The ones that went in are undone at once
+    -- by the rollback of this block (SQLSTATE ID011, raised and caught here
+    -- only), which costs less than deleting them again.
     BEGIN
         INSERT INTO idem.processed_events AS e
                (source, key, first_seen_month, status, attempts, token, first_seen, updated_at, expires_at)
         SELECT p_source, p_key, g::date, 'processing', 1, 0, p_now, p_now, p_now
-          FROM pg_catalog.generate_series(v_lo::timestamp, p_hi::timestamp, interval '1 month') g
+          FROM pg_catalog.generate_series(idem.serializable_floor(p_now, p_lo)::timestamp, p_hi::timestamp, interval '1 month') g
          WHERE g::date OPERATOR(pg_catalog.<>) idem.utc_month(p_now)
         ON CONFLICT DO NOTHING;
         RAISE EXCEPTION USING ERRCODE = 'ID011', MESSAGE = 'idem.serializable_placeholders: undo the placeholders';

@@ -1,48 +1,21 @@
--- A session's settings cannot change another client's claims.
+-- A duplicate is counted unless its own transaction says otherwise.
 --
--- 1. idem.citus. idem.claim, idem.claim_general and idem.claim_weight read
--- the setting idem.citus. On Citus, idem.citus_setup gives idem.claim the clause
--- SET idem.citus = on, so a claim delegated to a worker runs its Citus
--- branch there (its shard's copy, no secret to sign the sampling minute
--- with). On one PostgreSQL idem.claim and idem.claim_batch had no such
--- clause, so they read the session's value, which any role can set
--- (SET idem.citus = on) and a transaction-mode pooler carries to the next
--- client of that server connection: every claim there failed (42883,
--- "function pg_catalog.get_shard_id_for_distribution_column does not
--- exist"), and a batch read idem.activity at every claim instead of
--- trusting the signed sampling minute.
---
--- On an installation that is not distributed, both get SET idem.citus =
--- off, which a session cannot override (a function's SET clause is in force
--- for its call and everything it calls). idem.citus_setup replaces it with
--- on when the installation is distributed later, as it did.
---
--- 2. idem.uncounted. A waiting duplicate's second claim (WithWait) runs in
--- a transaction that sets idem.uncounted, so idem.count_duplicate does not
--- count the duplicate twice. The mark was 'on': set at session level (any
--- role can, and a pooler carries it), it made every duplicate of every
--- later client of that server connection uncounted, hiding a storm of
--- redeliveries from the dashboard and `idemctl stats`. The mark is
--- now the transaction's start time as text (the Go API sets it to
--- now()::text in the same transaction); any other value is no mark. A
--- client of an older version still sets 'on' and its waited duplicates are
--- counted twice until it is upgraded: counting errs upwards, never hides.
+-- A waiting duplicate's second claim (WithWait) runs in a transaction that
+-- sets idem.uncounted, so idem.count_duplicate does not count the duplicate
+-- twice. The mark was 'on': set at session level (any role can, and a
+-- transaction-mode pooler carries it to the next client of the server
+-- connection), it made every duplicate of every later client of that
+-- connection uncounted, hiding a storm of redeliveries from the dashboard
+-- and `idemctl stats`. The mark is now the transaction's start time as text
+-- (the Go API sets it to now()::text in the same transaction); any other
+-- value is no mark. A client of an older version still sets 'on' and its
+-- waited duplicates are counted twice until it is upgraded: counting errs
+-- upwards, never hides.
 --
 -- Tests: idem_test.TestSessionSettingsCarriedOver,
--- idem_test.TestWaitCountedOnce, migrate.TestUpgradeToSessionSettings.
+-- idem_test.TestWaitCountedOnce, migrate.TestUpgradeToUncountedMark.
 
 -- +goose Up
--- +goose StatementBegin
-DO $do$
-BEGIN
-    IF NOT idem.distributed() THEN
-        ALTER FUNCTION idem.claim(text, text, text, interval, interval, text, interval) SET idem.citus = off;
-        ALTER FUNCTION idem.claim_batch(text, text[], text[], interval, interval, text[], interval) SET idem.citus = off;
-    END IF;
-END
-$do$;
--- +goose StatementEnd
-
 -- +goose StatementBegin
 CREATE OR REPLACE FUNCTION idem.count_duplicate(p_source text, p_key text, p_month date, p_weight integer, p_per_key boolean, p_now timestamp with time zone)
  RETURNS void
@@ -84,17 +57,6 @@ $function$;
 -- +goose StatementEnd
 
 -- +goose Down
--- +goose StatementBegin
-DO $do$
-BEGIN
-    IF NOT idem.distributed() THEN
-        ALTER FUNCTION idem.claim(text, text, text, interval, interval, text, interval) RESET idem.citus;
-        ALTER FUNCTION idem.claim_batch(text, text[], text[], interval, interval, text[], interval) RESET idem.citus;
-    END IF;
-END
-$do$;
--- +goose StatementEnd
-
 -- +goose StatementBegin
 CREATE OR REPLACE FUNCTION idem.count_duplicate(p_source text, p_key text, p_month date, p_weight integer, p_per_key boolean, p_now timestamp with time zone)
  RETURNS void
