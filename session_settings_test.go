@@ -11,14 +11,21 @@ import (
 	"github.com/idemkit/idem/internal/testdb"
 )
 
-// TestSessionSettingsCarriedOver: idem.uncounted, the session setting a
-// waiting duplicate's transaction sets so that its second claim is not
-// counted again, set at session level by the application's role (any role
-// can, and a transaction-mode pooler carries it to the next client of the
-// server connection) to 'on' or to the mark of a transaction that ended:
-// every duplicate is still counted. Before migration 29, none was. The
-// mark of the claim's own transaction (what WithWait sets) still keeps its
-// duplicate uncounted.
+// TestSessionSettingsCarriedOver: the session settings idem's functions
+// read, set at session level by the application's role (any role can, and
+// a transaction-mode pooler carries them to the next client of the server
+// connection), change nothing for the claims that follow.
+//
+// idem.citus = on: claims of new keys and duplicates, in READ COMMITTED and
+// SERIALIZABLE, a claim that meets another's lock (idem.claim_general), and
+// a batch are answered as without it (without Citus' catalog the setting
+// is ignored). Before migration 30, every claim failed with 42883.
+//
+// idem.uncounted, which a waiting duplicate's transaction sets so that its
+// second claim is not counted again, set to 'on' or to the mark of a
+// transaction that ended: every duplicate is still counted. Before
+// migration 29, none was. The mark of the claim's own transaction (what
+// WithWait sets) still keeps its duplicate uncounted.
 func TestSessionSettingsCarriedOver(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -36,7 +43,7 @@ func TestSessionSettingsCarriedOver(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Close(ctx)
-	if _, err := conn.Exec(ctx, `SET ROLE `+role); err != nil {
+	if _, err := conn.Exec(ctx, `SET ROLE `+role+`; SELECT set_config('idem.citus', 'on', false)`); err != nil {
 		t.Fatal(err)
 	}
 	claim := func(t *testing.T, tx pgx.Tx, key, want string) {
@@ -55,8 +62,49 @@ func TestSessionSettingsCarriedOver(t *testing.T) {
 	var outcome, done string
 	if err := conn.QueryRow(ctx, `SELECT c.outcome, idem.complete('s', 'k1', c.token, '1') FROM idem.claim('s', 'k1') c`).Scan(&outcome, &done); err != nil ||
 		outcome != "acquired" || done != "completed" {
-		t.Fatalf("claim and complete k1: %q %q %v", outcome, done, err)
+		t.Fatalf("claim and complete k1 with idem.citus = on in the session: %q %q %v", outcome, done, err)
 	}
+	t.Run("idem.citus", func(t *testing.T) {
+		claim(t, nil, "k1", "completed")
+		tx, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = tx.Rollback(ctx) }()
+		claim(t, tx, "k2", "acquired")
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+		claim(t, nil, "k2", "in_progress")
+		// Another connection holds k3's lock in an open transaction: the
+		// claim goes to idem.claim_general, which waits and answers.
+		other, err := admin.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := other.Exec(ctx, `SELECT pg_advisory_xact_lock(1768187245, hashtext('s' || chr(31) || 'k3'))`); err != nil {
+			t.Fatal(err)
+		}
+		var got string
+		err = conn.QueryRow(ctx, `SELECT outcome FROM idem.claim('s', 'k3', lock_wait => '50 milliseconds')`).Scan(&got)
+		_ = other.Rollback(ctx)
+		if err != nil || got != "in_progress" {
+			t.Fatalf("a claim meeting another's lock with idem.citus = on in the session: %q %v, want in_progress", got, err)
+		}
+		claim(t, nil, "k3", "acquired")
+		rows, err := conn.Query(ctx, `SELECT outcome FROM idem.claim_batch('s', ARRAY['k1', 'k4']) ORDER BY ord`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		outs, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil || len(outs) != 2 || outs[0] != "completed" || outs[1] != "acquired" {
+			t.Fatalf("a batch of k1 (completed) and k4 (new) with idem.citus = on in the session: %v %v", outs, err)
+		}
+		var setting string
+		if err := conn.QueryRow(ctx, `SELECT current_setting('idem.citus')`).Scan(&setting); err != nil || setting != "on" {
+			t.Fatalf("the session's own setting: %q %v", setting, err)
+		}
+	})
 	t.Run("uncounted", func(t *testing.T) {
 		counted := func() (n int64) {
 			t.Helper()

@@ -28,8 +28,16 @@
 --   of their clock, not of its legacy stamp (first_seen keeps the stamp),
 --   so that every writer of a key's row writes into the month of its own
 --   clock; a copied row is live only while that month is in the window.
+-- * idem.claim and idem.claim_general take the setting idem.citus for
+--   Citus only where Citus' catalog is (pg_catalog.pg_dist_partition): any
+--   role can set it at session level and a transaction-mode pooler carries
+--   it to the next client, and on a single node every claim of that
+--   connection then failed (42883, Citus' function missing). (A function's
+--   SET idem.citus = off would need a superuser: PostgreSQL 15 refuses a
+--   custom setting in a SET clause to other roles.)
 --
--- Tests: idem_test.TestSerializableClaimsAcrossMonths and its negative
+-- Tests: idem_test.TestSessionSettingsCarriedOver (idem.citus),
+-- idem_test.TestSerializableClaimsAcrossMonths and its negative
 -- control, idem_test.TestSerializablePlaceholdersOldTransaction,
 -- reliability.TestMonthBoundaryRace, migrate.TestUpgradeToSerializableCost.
 -- Down restores the previous five functions.
@@ -186,7 +194,10 @@ BEGIN
     -- function) the key's lock below is the owning node's only: a claim
     -- that was not delegated to the node holding the key's shard would not
     -- exclude a delegated claim of the same key, so it is refused.
-    IF current_setting('idem.citus', true) = 'on' THEN  -- (NULL elsewhere; AND would not stop at it)
+    -- A session's own idem.citus (any role can set one, and a pooler
+    -- carries it to the next client) is not Citus: without Citus' catalog
+    -- the setting is ignored.
+    IF current_setting('idem.citus', true) IS NOT DISTINCT FROM 'on' AND to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL THEN
         -- (version 28) '' when the key's shard is not on this node; the
         -- name of this claim's copy on the key's shard (idem.citus_shard_claims)
         -- when there is one: the claim is answered by it, its statements on
@@ -339,7 +350,7 @@ BEGIN
                 -- SERIALIZABLE: a claim of this key committed into another
                 -- month after this transaction's snapshot is not seen by
                 -- the probe above (idem.serializable_placeholders).
-                IF v_iso = 'serializable' AND current_setting('idem.citus', true) IS DISTINCT FROM 'on' THEN
+                IF v_iso = 'serializable' AND (current_setting('idem.citus', true) IS DISTINCT FROM 'on' OR to_regclass('pg_catalog.pg_dist_partition') IS NULL) THEN
                     PERFORM idem.serializable_placeholders(claim_general.source, claim_general.key, v_now, v_lo, v_hi);
                 END IF;
                 -- None: a new row in the current month (under the key's
@@ -490,7 +501,7 @@ BEGIN
        OR (claim.ttl IS NOT NULL AND NOT (claim.ttl >= interval '1 minute' AND claim.ttl <= interval '10 years'))
        OR (claim.lease IS NOT NULL AND NOT (claim.lease >= interval '1 second' AND claim.lease <= interval '7 days'))
        OR (claim.lock_wait IS NOT NULL AND NOT (claim.lock_wait >= interval '0' AND claim.lock_wait <= interval '1 hour'))
-       OR current_setting('idem.citus', true) IS NOT DISTINCT FROM 'on'
+       OR (current_setting('idem.citus', true) IS NOT DISTINCT FROM 'on' AND to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL)
        OR NOT pg_try_advisory_xact_lock(1768187245, hashtext(claim.source || chr(31) || claim.key)) THEN
         SELECT * INTO outcome, token, attempt, lease_expires_at, result, error, first_seen, expires_at, lease_remaining
           FROM idem.claim_general(claim.source, claim.key, claim.fingerprint, claim.ttl, claim.lease, claim.event_type, claim.lock_wait);

@@ -36,7 +36,7 @@ BEGIN
        OR (claim.ttl IS NOT NULL AND NOT (claim.ttl >= interval '1 minute' AND claim.ttl <= interval '10 years'))
        OR (claim.lease IS NOT NULL AND NOT (claim.lease >= interval '1 second' AND claim.lease <= interval '7 days'))
        OR (claim.lock_wait IS NOT NULL AND NOT (claim.lock_wait >= interval '0' AND claim.lock_wait <= interval '1 hour'))
-       OR current_setting('idem.citus', true) IS NOT DISTINCT FROM 'on'
+       OR (current_setting('idem.citus', true) IS NOT DISTINCT FROM 'on' AND to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL)
        OR NOT pg_try_advisory_xact_lock(1768187245, hashtext(claim.source || chr(31) || claim.key)) THEN
         SELECT * INTO outcome, token, attempt, lease_expires_at, result, error, first_seen, expires_at, lease_remaining
           FROM idem.claim_general(claim.source, claim.key, claim.fingerprint, claim.ttl, claim.lease, claim.event_type, claim.lock_wait);

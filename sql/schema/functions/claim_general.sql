@@ -78,7 +78,10 @@ BEGIN
     -- function) the key's lock below is the owning node's only: a claim
     -- that was not delegated to the node holding the key's shard would not
     -- exclude a delegated claim of the same key, so it is refused.
-    IF current_setting('idem.citus', true) = 'on' THEN  -- (NULL elsewhere; AND would not stop at it)
+    -- A session's own idem.citus (any role can set one, and a pooler
+    -- carries it to the next client) is not Citus: without Citus' catalog
+    -- the setting is ignored.
+    IF current_setting('idem.citus', true) IS NOT DISTINCT FROM 'on' AND to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL THEN
         -- (version 28) '' when the key's shard is not on this node; the
         -- name of this claim's copy on the key's shard (idem.citus_shard_claims)
         -- when there is one: the claim is answered by it, its statements on
@@ -231,7 +234,7 @@ BEGIN
                 -- SERIALIZABLE: a claim of this key committed into another
                 -- month after this transaction's snapshot is not seen by
                 -- the probe above (idem.serializable_placeholders).
-                IF v_iso = 'serializable' AND current_setting('idem.citus', true) IS DISTINCT FROM 'on' THEN
+                IF v_iso = 'serializable' AND (current_setting('idem.citus', true) IS DISTINCT FROM 'on' OR to_regclass('pg_catalog.pg_dist_partition') IS NULL) THEN
                     PERFORM idem.serializable_placeholders(claim_general.source, claim_general.key, v_now, v_lo, v_hi);
                 END IF;
                 -- None: a new row in the current month (under the key's
