@@ -273,7 +273,7 @@ type year struct {
 	// It is done then, not at the kill: the server may still be carrying
 	// out a try_lock the killed process sent.
 	killedPIDs map[int]syscall.Signal
-	// killedPSQL: a psql CALL was killed. Its backend carries the
+	// killedPSQL: a psql CALL was killed (or failed). Its backend carries the
 	// procedure on until it next writes to the client, then exits with the
 	// lock it took held for its lease; that lease too is ended before the
 	// next scheduled runs, once its backend is gone.
@@ -860,7 +860,14 @@ func (y *year) runJob(ctx context.Context, host int, job string) (killed bool, e
 		// Exit 1 (a rotation left incomplete behind a lock, a batch that
 		// kept timing out, the restart), 3 (the restart) or 4 (prune lost
 		// its lease): an outcome operators meet, left for the next run.
+		// A psql CALL that failed keeps the lock its procedure took for
+		// that lease, as a killed one does (idem.prune cannot release it
+		// once it has failed): ended before the next scheduled runs, which
+		// in real time come past it.
 		y.mu.Lock()
+		if filepath.Base(cmd.Path) == "psql" {
+			y.killedPSQL = true
+		}
 		y.rep.runs[fmt.Sprintf("%s exit %d", name, ee.ExitCode())]++
 		if len(y.rep.notes) < 5 {
 			y.rep.notes = append(y.rep.notes, fmt.Sprintf("%s: %s exit %d: %s", y.month.label, name, ee.ExitCode(), lastLine(out.String())))
