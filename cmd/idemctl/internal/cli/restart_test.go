@@ -67,9 +67,17 @@ func TestRunDatabaseRestartFreesLock(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+	// The run is recorded after its lock is released: wait for it.
 	var failed int
-	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem.runs WHERE job = 'rotate' AND outcome = 'error'`).Scan(&failed); err != nil || failed != 1 {
-		t.Errorf("the rotation cut by the restart is recorded %d times as failed (%v), want 1", failed, err)
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		err := pool.QueryRow(ctx, `SELECT count(*) FROM idem.runs WHERE job = 'rotate' AND outcome = 'error'`).Scan(&failed)
+		if err == nil && failed == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("the rotation cut by the restart is recorded %d times as failed (%v), want 1", failed, err)
+			break
+		}
 	}
 	if r := idemctl(t, ctx, nil, "partitions", "rotate", "--database-url", url, "--fail-if-locked"); r.code != 0 {
 		t.Fatalf("a cron rotation after the restart: %+v\ndaemon:\n%s", r, errw.String())
