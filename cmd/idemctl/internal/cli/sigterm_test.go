@@ -98,3 +98,60 @@ func TestSIGTERMAtRandomMoments(t *testing.T) {
 		}
 	}
 }
+
+// TestRotateSIGTERMFinishesTheStep: idemctl partitions rotate (a real
+// process) is sent SIGTERM while a step waits for its lock (attaching a
+// month ahead, behind an application transaction that reads the default
+// partition). As docs/idemctl.md promises, the step in flight finishes:
+// once the transaction ends the month is attached; then the run stops,
+// releases the rotate lock and is recorded as interrupted. Before, the
+// step's statement ran on the run's context: SIGTERM closed its connection
+// under it and the server rolled the step back.
+func TestRotateSIGTERMFinishesTheStep(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	month := "idem.processed_events_" + pname(monthStart(time.Now(), 3))
+	end := blockedRotation(t, ctx, url) // drops that month, holds the default partition
+	defer end()
+	cmd := exec.Command(binary(t), "partitions", "rotate", "--database-url", url, "--lock-timeout", "1m", "--retries", "0")
+	var out testdb.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	defer func() { _ = cmd.Process.Kill() }()
+	pool := testdb.Pool(t, url, 1)
+	waitFor(t, func() bool {
+		var n int
+		_ = pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+			WHERE NOT l.granted AND a.application_name = 'idemctl' AND a.datname = current_database()`).Scan(&n)
+		return n > 0
+	})
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	// Let the signal land while the step waits (before, it cut the
+	// statement at once); the outcome must not depend on this pause.
+	time.Sleep(time.Second)
+	end()
+	select {
+	case <-exited:
+	case <-time.After(time.Minute):
+		t.Fatalf("rotate still running a minute after SIGTERM:\n%s", out.String())
+	}
+	var attached bool
+	var locks, interrupted int
+	if err := pool.QueryRow(ctx, `SELECT
+		EXISTS (SELECT FROM pg_partition_tree('idem.processed_events') WHERE relid = to_regclass($1)),
+		(SELECT count(*) FROM idem.maintenance_locks WHERE name = 'rotate'),
+		(SELECT count(*) FROM idem.runs WHERE job = 'rotate' AND outcome = 'interrupted')`, month).Scan(&attached, &locks, &interrupted); err != nil {
+		t.Fatal(err)
+	}
+	if !attached || locks != 0 || interrupted != 1 {
+		t.Fatalf("after SIGTERM during the step attaching %s: attached %v, %d rotate locks held, %d runs recorded interrupted; want true, 0, 1\n%s",
+			month, attached, locks, interrupted, out.String())
+	}
+}
