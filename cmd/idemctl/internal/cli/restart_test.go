@@ -154,9 +154,11 @@ func TestSIGTERMWhileDatabaseDown(t *testing.T) {
 	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
+	up := time.Now()
 	if err := cl.Up(ctx); err != nil {
 		t.Fatal(err)
 	}
+	t.Logf("the database was back %v after SIGTERM", time.Since(up).Round(time.Millisecond))
 	select {
 	case <-exited:
 	case <-time.After(60 * time.Second):
