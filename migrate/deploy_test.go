@@ -46,9 +46,10 @@ import (
 // 2s hold from versions 5 and 7; with migration 19's plain CREATE INDEX,
 // for the whole build). The wall time of a claim is not checked: on a
 // loaded machine it is mostly the wait for a CPU (a claim took 1.5 s from
-// version 17 under load 20 on CI; at load 10 the longest claims from 7 and
-// 17 took 330-380 ms while their waits on the migration were at most 100
-// ms), which says nothing about the migration; a wait on its locks is what
+// version 17 under load 20 on CI; here, from 5, 7 and 17 at load 18, the
+// longest claims took 435-912 ms while their waits on the migration were
+// at most 103 ms, as at load 10 with claims of 330-380 ms), which says
+// nothing about the migration; a wait on its locks is what
 // blocking is, and TestUpgradeLoadSeesBlocking proves the check fails a
 // step that blocks claims. The one path where claims fail is the step of
 // migration 4 (see below).
