@@ -89,9 +89,15 @@ func (l *Lock) Take(ctx context.Context, log *slog.Logger) (Holder, error) {
 // keeps trying, with backoff, until the database answers or the lease has
 // ended by itself, so that the lock is free as soon as the database is
 // back rather than for the rest of its lease (10 minutes for rotate).
-// ctx cancelled (SIGTERM) stops the retries after the first try.
+// With ctx cancelled (SIGTERM, which may come while the database is down,
+// or bring the run here because the database went down) it keeps trying
+// for releaseGrace more: a database back from a restart within that time
+// gets the lock released. Before, the retries stopped after one try once
+// ctx was cancelled, and a run SIGTERMed during a restart left its lock
+// held for the whole lease (cli.TestSIGTERMWhileDatabaseDown).
 func (l *Lock) Release(ctx context.Context, log *slog.Logger) {
 	wait := releaseBackoff
+	var graceEnd time.Time // set when ctx is first seen cancelled
 	for try := 0; ; try++ {
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 		_, err := l.q.ReleaseLock(rctx, pgxdb.ReleaseLockParams{Name: l.name, Holder: l.holder})
@@ -103,29 +109,40 @@ func (l *Lock) Release(ctx context.Context, log *slog.Logger) {
 			}
 			return
 		}
-		if !Unreachable(err) || ctx.Err() != nil || !time.Now().Add(wait).Before(l.until) {
+		giveUp := l.until
+		if ctx.Err() != nil {
+			if graceEnd.IsZero() {
+				graceEnd = time.Now().Add(releaseGrace)
+			}
+			if graceEnd.Before(giveUp) {
+				giveUp = graceEnd
+			}
+		}
+		if !Unreachable(err) || !time.Now().Add(wait).Before(giveUp) {
 			log.LogAttrs(ctx, slog.LevelWarn, "could not release the lock; it ends with its lease",
 				slog.String("lock", l.name), slog.Time("until", l.until), slog.Any("error", err))
 			return
 		}
 		if try == 0 {
-			log.LogAttrs(ctx, slog.LevelWarn, "the database is unreachable; retrying to release the lock until its lease ends",
+			log.LogAttrs(ctx, slog.LevelWarn, "the database is unreachable; retrying to release the lock until it answers (or the lease ends)",
 				slog.String("lock", l.name), slog.Time("until", l.until), slog.Any("error", err))
 		}
-		t := time.NewTimer(wait)
-		select {
-		case <-ctx.Done():
-		case <-t.C:
-		}
-		t.Stop()
+		// Not cut short by ctx: once cancelled, ctx is done for good, and
+		// the grace above bounds the tries.
+		time.Sleep(wait)
 		wait = min(2*wait, releaseMaxBackoff)
 	}
 }
 
-// Release's pause between tries while the database is unreachable.
+// Release's pause between tries while the database is unreachable, and
+// how long it goes on trying after ctx is cancelled (SIGTERM): long enough
+// for a database restart, well within the 30 s that idemctl run's
+// --shutdown-timeout and Kubernetes' terminationGracePeriodSeconds give a
+// stopping process by default (a try itself may take up to 5 s more).
 const (
 	releaseBackoff    = 100 * time.Millisecond
 	releaseMaxBackoff = 2 * time.Second
+	releaseGrace      = 15 * time.Second
 )
 
 // Unreachable says whether err means the database did not answer the

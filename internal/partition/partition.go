@@ -294,7 +294,7 @@ func (c settings) rotate(ctx context.Context, pool *pgxpool.Pool) (*Result, erro
 		if !d.DropPending {
 			continue
 		}
-		out, err := c.step(ctx, pool, func(q *pgxdb.Queries) (string, error) {
+		out, err := c.step(ctx, pool, func(ctx context.Context, q *pgxdb.Queries) (string, error) {
 			return q.DropDetached(ctx, d.Name)
 		})
 		if err != nil {
@@ -313,7 +313,7 @@ func (c settings) rotate(ctx context.Context, pool *pgxpool.Pool) (*Result, erro
 	}
 	for _, m := range months {
 		month := m.Time.Format("2006-01")
-		out, err := c.step(ctx, pool, func(q *pgxdb.Queries) (string, error) {
+		out, err := c.step(ctx, pool, func(ctx context.Context, q *pgxdb.Queries) (string, error) {
 			return q.MakeMonth(ctx, m)
 		})
 		if err != nil {
@@ -329,7 +329,7 @@ func (c settings) rotate(ctx context.Context, pool *pgxpool.Pool) (*Result, erro
 	for _, name := range parts {
 		// Detach first and drop in a second transaction: the lock on
 		// processed_events, which claims queue behind, lasts only the detach.
-		out, err := c.step(ctx, pool, func(q *pgxdb.Queries) (string, error) {
+		out, err := c.step(ctx, pool, func(ctx context.Context, q *pgxdb.Queries) (string, error) {
 			out, err := q.RetirePartition(ctx, pgxdb.RetirePartitionParams{Name: name, KeepDetached: true})
 			if err == nil && out == "detached" && !c.keepDetached {
 				// The intent to drop is recorded with the detach: a drop
@@ -342,7 +342,7 @@ func (c settings) rotate(ctx context.Context, pool *pgxpool.Pool) (*Result, erro
 			return res, fmt.Errorf("retire %s: %w", name, err)
 		}
 		if out == "detached" && !c.keepDetached {
-			out, err = c.step(ctx, pool, func(q *pgxdb.Queries) (string, error) {
+			out, err = c.step(ctx, pool, func(ctx context.Context, q *pgxdb.Queries) (string, error) {
 				return q.DropDetached(ctx, name)
 			})
 			if err != nil {
@@ -371,7 +371,7 @@ func (c settings) moveDefaultRows(ctx context.Context, pool *pgxpool.Pool, q *pg
 			res.add(ctx, c.log, Step{"move", month, fmt.Sprintf("kept: %d rows in the default partition, more than MaxMoveRows (%d); prune deletes them as they expire", m.RowCount, c.maxMoveRows)})
 			continue
 		}
-		out, err := c.step(ctx, pool, func(q *pgxdb.Queries) (string, error) {
+		out, err := c.step(ctx, pool, func(ctx context.Context, q *pgxdb.Queries) (string, error) {
 			n, err := q.MoveDefaultMonth(ctx, pgxdb.MoveDefaultMonthParams{Month: m.Month, MaxRows: c.maxMoveRows})
 			return fmt.Sprintf("moved %d rows", n), err
 		})
@@ -406,8 +406,11 @@ func (r *Result) add(ctx context.Context, log *slog.Logger, s Step) {
 // LockTTL): two rotations never run the same steps. A step is not
 // cancelled with ctx (SIGTERM): it is short, bounded by LockTimeout and
 // StatementTimeout, and runs to its end; the run stops before the next
-// step.
-func (c settings) step(ctx context.Context, pool *pgxpool.Pool, fn func(q *pgxdb.Queries) (string, error)) (string, error) {
+// step. fn gets the step's context, which SIGTERM does not cancel, for its
+// statements: with the run's ctx, as the steps had, SIGTERM cut the
+// statement in flight (pgx closes the connection under it), so the server
+// rolled the step back when it noticed (TestRotateSIGTERMFinishesTheStep).
+func (c settings) step(ctx context.Context, pool *pgxpool.Pool, fn func(ctx context.Context, q *pgxdb.Queries) (string, error)) (string, error) {
 	wait := c.backoff
 	var leaseEnd time.Time // the rotate lock's, as last renewed
 	for try := 0; ; try++ {
@@ -453,14 +456,14 @@ func (c settings) step(ctx context.Context, pool *pgxpool.Pool, fn func(q *pgxdb
 	}
 }
 
-func (c settings) tx(ctx context.Context, pool *pgxpool.Pool, fn func(q *pgxdb.Queries) (string, error)) (string, error) {
+func (c settings) tx(ctx context.Context, pool *pgxpool.Pool, fn func(ctx context.Context, q *pgxdb.Queries) (string, error)) (string, error) {
 	var out string
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		if err := dbutil.SetLocalTimeouts(ctx, tx, c.lockTimeout, c.stmtTimeout); err != nil {
 			return err
 		}
 		var err error
-		out, err = fn(pgxdb.New(tx))
+		out, err = fn(ctx, pgxdb.New(tx))
 		return err
 	})
 	return out, err

@@ -294,6 +294,15 @@ func (c *Cluster) Restart(ctx context.Context) error {
 	return c.startServer(ctx)
 }
 
+// Down shuts the server down as Restart does (fast shutdown) and leaves it
+// down, its directory and port kept, until Up: a database outage with
+// something done while it lasts (a signal sent, a command run).
+func (c *Cluster) Down() { c.stopServer() }
+
+// Up starts a server that Down shut down, on the same data directory and
+// port, and waits until it accepts connections.
+func (c *Cluster) Up(ctx context.Context) error { return c.startServer(ctx) }
+
 // RestartImmediate stops the server as pg_ctl restart -m immediate does
 // (every backend quits at once, no checkpoint; the next start recovers
 // from the WAL) and starts it again on the same data directory and port.

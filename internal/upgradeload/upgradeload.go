@@ -96,7 +96,9 @@ type Result struct {
 	// LongestWait is the longest a claim was seen waiting (pg_locks'
 	// waitstart, sampled every 10 ms) on a lock a migrating backend
 	// (application_name MigratorApp) held or was queued for ahead of it;
-	// WaitedOn is that backend's statement then.
+	// WaitedOn is that backend's statement then. Only this database's
+	// backends are looked at: tests on other databases of the same server
+	// run their own migrations and loads.
 	LongestWait time.Duration
 	WaitedOn    string
 	Errs        []error // claims that failed
@@ -148,6 +150,7 @@ func Start(ctx context.Context, pool *pgxpool.Pool, clients int) (*Load, error) 
 				  JOIN pg_catalog.pg_stat_activity w ON w.pid = l.pid
 				  JOIN pg_catalog.pg_stat_activity b ON b.pid = ANY (pg_catalog.pg_blocking_pids(l.pid))
 				 WHERE NOT l.granted AND w.application_name <> $1 AND b.application_name = $1
+				   AND w.datname = pg_catalog.current_database() AND b.datname = pg_catalog.current_database()
 				 ORDER BY 1 DESC LIMIT 1`, MigratorApp).Scan(&secs, &query)
 			if err != nil && !strings.Contains(err.Error(), "no rows") {
 				l.mu.Lock()

@@ -106,7 +106,7 @@ func (a *app) runPartitions(sub string, r rotateFlags, asJSON bool) error {
 		return configErr(err, rotateFlagNames(""))
 	}
 	if res != nil {
-		reportRotate(io, res)
+		reportRotate(io, res, err)
 	}
 	if errors.Is(err, partition.ErrLockLost) {
 		return withCode(ExitLocked, err)
@@ -120,13 +120,15 @@ func (a *app) runPartitions(sub string, r rotateFlags, asJSON bool) error {
 	return err
 }
 
-func reportRotate(io IO, res *partition.Result) {
+// reportRotate prints what a rotation did; "up to date" only when it ran
+// to its end (err nil) with nothing to do, not when it stopped early.
+func reportRotate(io IO, res *partition.Result, err error) {
 	if res.Skipped {
 		fmt.Fprintf(io.Out, "skipped: another rotation (%s) holds the lock until %s\n",
 			res.Holder.Holder, res.Holder.ExpiresAt.UTC().Format(time.RFC3339))
 		return
 	}
-	if len(res.Steps) == 0 {
+	if len(res.Steps) == 0 && err == nil {
 		fmt.Fprintln(io.Out, "partitions are up to date")
 	}
 	for _, s := range res.Steps {

@@ -2,8 +2,12 @@ package cli
 
 import (
 	"context"
+	"os/exec"
+	"syscall"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/idem/internal/pgcluster"
 	"github.com/idemkit/idem/internal/testdb"
@@ -90,5 +94,81 @@ func TestRunDatabaseRestartFreesLock(t *testing.T) {
 		}
 	case <-time.After(30 * time.Second):
 		t.Fatal("the daemon did not stop")
+	}
+}
+
+// TestSIGTERMWhileDatabaseDown: idemctl partitions rotate (a real
+// process) is sent SIGTERM while the database is down (a restart, a
+// failover; the year section met it when a kill landed during its
+// database restart). It holds the rotate lock and cannot release it until
+// the database is back: it keeps trying after the signal, within a grace
+// (maintlock's releaseGrace), and exits once the lock is released, so the
+// next scheduled rotation is not skipped. Before, SIGTERM ended the
+// release's retries after one try that failed with the connection, and
+// the lock stayed held for its 10-minute lease.
+func TestSIGTERMWhileDatabaseDown(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cl, err := pgcluster.Start(ctx)
+	if err != nil {
+		t.Fatalf("this test stops a server of its own and needs the PostgreSQL server binaries: %v (%s)", err, pgcluster.InstallHint)
+	}
+	defer cl.Stop()
+	url := cl.URL("postgres")
+	if r := idemctl(t, ctx, nil, "migrate", "up", "--database-url", url, "--river=false"); r.code != 0 {
+		t.Fatalf("migrate up: %+v", r)
+	}
+	end := blockedRotation(t, ctx, url)
+	defer end()
+
+	cmd := exec.Command(binary(t), "partitions", "rotate", "--database-url", url,
+		"--lock-timeout", "200ms", "--retries", "100", "--backoff", "10ms")
+	var out testdb.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	defer func() { _ = cmd.Process.Kill() }()
+	rotateLocks := func() int { // on a connection of its own: the database restarts
+		conn, err := pgx.Connect(ctx, url)
+		if err != nil {
+			return -1
+		}
+		defer conn.Close(ctx)
+		var n int
+		if err := conn.QueryRow(ctx, `SELECT count(*) FROM idem.maintenance_locks WHERE name = 'rotate'`).Scan(&n); err != nil {
+			return -1
+		}
+		return n
+	}
+	waitFor(t, func() bool { return rotateLocks() == 1 })
+
+	cl.Down()
+	select {
+	case err := <-exited:
+		t.Fatalf("rotate exited (%v) before SIGTERM with the database down (its release should wait for it):\n%s", err, out.String())
+	default:
+	}
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	up := time.Now()
+	if err := cl.Up(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("the database was back %v after SIGTERM", time.Since(up).Round(time.Millisecond))
+	select {
+	case <-exited:
+	case <-time.After(60 * time.Second):
+		t.Fatalf("rotate still running a minute after SIGTERM:\n%s", out.String())
+	}
+	if n := rotateLocks(); n != 0 {
+		t.Fatalf("%d rotate locks held after the SIGTERMed rotation exited (its lease is 10 minutes):\n%s", n, out.String())
+	}
+	end()
+	if r := idemctl(t, ctx, nil, "partitions", "rotate", "--database-url", url, "--fail-if-locked"); r.code != 0 {
+		t.Fatalf("the next rotation: %+v\nthe SIGTERMed one:\n%s", r, out.String())
 	}
 }
