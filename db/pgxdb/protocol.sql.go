@@ -7,8 +7,6 @@ package pgxdb
 
 import (
 	"context"
-
-	"github.com/jackc/pgx/v5/pgtype"
 )
 
 const cacheable = `-- name: Cacheable :one
@@ -48,11 +46,11 @@ const claim = `-- name: Claim :one
 SELECT c.outcome::text             AS outcome,
        coalesce(c.token, 0)::bigint AS token,
        coalesce(c.attempt, 0)::integer AS attempt,
-       c.lease_expires_at::timestamptz AS lease_expires_at,
+       coalesce(pg_catalog.round(pg_catalog.date_part('epoch', c.lease_expires_at) * 1000000::double precision), 0)::bigint AS lease_expires_at_us,
        c.result::jsonb             AS result,
        coalesce(c.error, '')::text AS error,
-       c.first_seen::timestamptz   AS first_seen,
-       c.expires_at::timestamptz   AS expires_at,
+       coalesce(pg_catalog.round(pg_catalog.date_part('epoch', c.first_seen) * 1000000::double precision), 0)::bigint AS first_seen_us,
+       coalesce(pg_catalog.round(pg_catalog.date_part('epoch', c.expires_at) * 1000000::double precision), 0)::bigint AS expires_at_us,
        coalesce(floor(pg_catalog.date_part('epoch', c.lease_remaining) * 1000::double precision), 0)::bigint AS lease_remaining_ms
   FROM idem.claim(
          $1::text,
@@ -78,17 +76,22 @@ type ClaimRow struct {
 	Outcome          string
 	Token            int64
 	Attempt          int32
-	LeaseExpiresAt   pgtype.Timestamptz
+	LeaseExpiresAtUs int64
 	Result           []byte
 	Error            string
-	FirstSeen        pgtype.Timestamptz
-	ExpiresAt        pgtype.Timestamptz
+	FirstSeenUs      int64
+	ExpiresAtUs      int64
 	LeaseRemainingMs int64
 }
 
 // The claim protocol. Every query calls one idem.* function; the columns are
 // cast so that sqlc generates precise types instead of interface{}.
 // Durations travel as milliseconds so both drivers agree on their type.
+// Timestamps travel as microseconds since the Unix epoch (0: none): a
+// timestamptz in text (pgx's exec and simple-protocol modes, which
+// PgBouncer setups use, and lib/pq) is written in the session's DateStyle,
+// which any client of a pooled connection can set ('SQL, DMY', 'German')
+// and which neither driver reads back.
 // lease_remaining_ms: the lease granted (acquired) or left (in_progress), by
 // the database's clock; 0 when unknown.
 func (q *Queries) Claim(ctx context.Context, arg ClaimParams) (ClaimRow, error) {
@@ -106,11 +109,11 @@ func (q *Queries) Claim(ctx context.Context, arg ClaimParams) (ClaimRow, error) 
 		&i.Outcome,
 		&i.Token,
 		&i.Attempt,
-		&i.LeaseExpiresAt,
+		&i.LeaseExpiresAtUs,
 		&i.Result,
 		&i.Error,
-		&i.FirstSeen,
-		&i.ExpiresAt,
+		&i.FirstSeenUs,
+		&i.ExpiresAtUs,
 		&i.LeaseRemainingMs,
 	)
 	return i, err
@@ -121,11 +124,11 @@ SELECT c.ord::integer              AS ord,
        c.outcome::text             AS outcome,
        coalesce(c.token, 0)::bigint AS token,
        coalesce(c.attempt, 0)::integer AS attempt,
-       c.lease_expires_at::timestamptz AS lease_expires_at,
+       coalesce(pg_catalog.round(pg_catalog.date_part('epoch', c.lease_expires_at) * 1000000::double precision), 0)::bigint AS lease_expires_at_us,
        c.result::jsonb             AS result,
        coalesce(c.error, '')::text AS error,
-       c.first_seen::timestamptz   AS first_seen,
-       c.expires_at::timestamptz   AS expires_at,
+       coalesce(pg_catalog.round(pg_catalog.date_part('epoch', c.first_seen) * 1000000::double precision), 0)::bigint AS first_seen_us,
+       coalesce(pg_catalog.round(pg_catalog.date_part('epoch', c.expires_at) * 1000000::double precision), 0)::bigint AS expires_at_us,
        coalesce(floor(pg_catalog.date_part('epoch', c.lease_remaining) * 1000::double precision), 0)::bigint AS lease_remaining_ms
   FROM idem.claim_batch(
          $1::text,
@@ -152,11 +155,11 @@ type ClaimBatchRow struct {
 	Outcome          string
 	Token            int64
 	Attempt          int32
-	LeaseExpiresAt   pgtype.Timestamptz
+	LeaseExpiresAtUs int64
 	Result           []byte
 	Error            string
-	FirstSeen        pgtype.Timestamptz
-	ExpiresAt        pgtype.Timestamptz
+	FirstSeenUs      int64
+	ExpiresAtUs      int64
 	LeaseRemainingMs int64
 }
 
@@ -185,11 +188,11 @@ func (q *Queries) ClaimBatch(ctx context.Context, arg ClaimBatchParams) ([]Claim
 			&i.Outcome,
 			&i.Token,
 			&i.Attempt,
-			&i.LeaseExpiresAt,
+			&i.LeaseExpiresAtUs,
 			&i.Result,
 			&i.Error,
-			&i.FirstSeen,
-			&i.ExpiresAt,
+			&i.FirstSeenUs,
+			&i.ExpiresAtUs,
 			&i.LeaseRemainingMs,
 		); err != nil {
 			return nil, err
@@ -349,7 +352,7 @@ func (q *Queries) Distributed(ctx context.Context) (bool, error) {
 
 const extend = `-- name: Extend :one
 SELECT e.outcome::text                AS outcome,
-       e.lease_expires_at::timestamptz AS lease_expires_at
+       coalesce(pg_catalog.round(pg_catalog.date_part('epoch', e.lease_expires_at) * 1000000::double precision), 0)::bigint AS lease_expires_at_us
   FROM idem.extend($1::text, $2::text, $3::bigint,
                    $4::bigint * interval '1 millisecond') AS e
 `
@@ -362,8 +365,8 @@ type ExtendParams struct {
 }
 
 type ExtendRow struct {
-	Outcome        string
-	LeaseExpiresAt pgtype.Timestamptz
+	Outcome          string
+	LeaseExpiresAtUs int64
 }
 
 func (q *Queries) Extend(ctx context.Context, arg ExtendParams) (ExtendRow, error) {
@@ -374,7 +377,7 @@ func (q *Queries) Extend(ctx context.Context, arg ExtendParams) (ExtendRow, erro
 		arg.LeaseMs,
 	)
 	var i ExtendRow
-	err := row.Scan(&i.Outcome, &i.LeaseExpiresAt)
+	err := row.Scan(&i.Outcome, &i.LeaseExpiresAtUs)
 	return i, err
 }
 

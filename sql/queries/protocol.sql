@@ -1,6 +1,11 @@
 -- The claim protocol. Every query calls one idem.* function; the columns are
 -- cast so that sqlc generates precise types instead of interface{}.
 -- Durations travel as milliseconds so both drivers agree on their type.
+-- Timestamps travel as microseconds since the Unix epoch (0: none): a
+-- timestamptz in text (pgx's exec and simple-protocol modes, which
+-- PgBouncer setups use, and lib/pq) is written in the session's DateStyle,
+-- which any client of a pooled connection can set ('SQL, DMY', 'German')
+-- and which neither driver reads back.
 
 -- name: Claim :one
 -- lease_remaining_ms: the lease granted (acquired) or left (in_progress), by
@@ -8,11 +13,11 @@
 SELECT c.outcome::text             AS outcome,
        coalesce(c.token, 0)::bigint AS token,
        coalesce(c.attempt, 0)::integer AS attempt,
-       c.lease_expires_at::timestamptz AS lease_expires_at,
+       coalesce(pg_catalog.round(pg_catalog.date_part('epoch', c.lease_expires_at) * 1000000::double precision), 0)::bigint AS lease_expires_at_us,
        c.result::jsonb             AS result,
        coalesce(c.error, '')::text AS error,
-       c.first_seen::timestamptz   AS first_seen,
-       c.expires_at::timestamptz   AS expires_at,
+       coalesce(pg_catalog.round(pg_catalog.date_part('epoch', c.first_seen) * 1000000::double precision), 0)::bigint AS first_seen_us,
+       coalesce(pg_catalog.round(pg_catalog.date_part('epoch', c.expires_at) * 1000000::double precision), 0)::bigint AS expires_at_us,
        coalesce(floor(pg_catalog.date_part('epoch', c.lease_remaining) * 1000::double precision), 0)::bigint AS lease_remaining_ms
   FROM idem.claim(
          sqlc.arg(source)::text,
@@ -53,7 +58,7 @@ SELECT idem.fail(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.arg(token)::b
 
 -- name: Extend :one
 SELECT e.outcome::text                AS outcome,
-       e.lease_expires_at::timestamptz AS lease_expires_at
+       coalesce(pg_catalog.round(pg_catalog.date_part('epoch', e.lease_expires_at) * 1000000::double precision), 0)::bigint AS lease_expires_at_us
   FROM idem.extend(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.arg(token)::bigint,
                    sqlc.narg(lease_ms)::bigint * interval '1 millisecond') AS e;
 
@@ -111,11 +116,11 @@ SELECT c.ord::integer              AS ord,
        c.outcome::text             AS outcome,
        coalesce(c.token, 0)::bigint AS token,
        coalesce(c.attempt, 0)::integer AS attempt,
-       c.lease_expires_at::timestamptz AS lease_expires_at,
+       coalesce(pg_catalog.round(pg_catalog.date_part('epoch', c.lease_expires_at) * 1000000::double precision), 0)::bigint AS lease_expires_at_us,
        c.result::jsonb             AS result,
        coalesce(c.error, '')::text AS error,
-       c.first_seen::timestamptz   AS first_seen,
-       c.expires_at::timestamptz   AS expires_at,
+       coalesce(pg_catalog.round(pg_catalog.date_part('epoch', c.first_seen) * 1000000::double precision), 0)::bigint AS first_seen_us,
+       coalesce(pg_catalog.round(pg_catalog.date_part('epoch', c.expires_at) * 1000000::double precision), 0)::bigint AS expires_at_us,
        coalesce(floor(pg_catalog.date_part('epoch', c.lease_remaining) * 1000::double precision), 0)::bigint AS lease_remaining_ms
   FROM idem.claim_batch(
          sqlc.arg(source)::text,
