@@ -32,12 +32,12 @@ const citusRoutes = `SELECT key, ords FROM idem.citus_batch_routes($1::text::tex
 // text[]"). Its timestamps are microseconds since the epoch, as
 // ClaimBatch's.
 const citusClaimBatch = `SELECT c.ord::integer, c.outcome::text, coalesce(c.token, 0)::bigint, coalesce(c.attempt, 0)::integer,
-       coalesce(pg_catalog.round(pg_catalog.date_part('epoch', c.lease_expires_at) * 1000000::double precision), 0)::bigint, c.result::jsonb, coalesce(c.error, '')::text,
-       coalesce(pg_catalog.round(pg_catalog.date_part('epoch', c.first_seen) * 1000000::double precision), 0)::bigint, coalesce(pg_catalog.round(pg_catalog.date_part('epoch', c.expires_at) * 1000000::double precision), 0)::bigint,
-       coalesce(floor(pg_catalog.date_part('epoch', c.lease_remaining) * 1000::double precision), 0)::bigint
+       coalesce(pg_catalog.round(pg_catalog.date_part('epoch', c.lease_expires_at) OPERATOR(pg_catalog.*) 1000000::double precision), 0)::bigint, c.result::jsonb, coalesce(c.error, '')::text,
+       coalesce(pg_catalog.round(pg_catalog.date_part('epoch', c.first_seen) OPERATOR(pg_catalog.*) 1000000::double precision), 0)::bigint, coalesce(pg_catalog.round(pg_catalog.date_part('epoch', c.expires_at) OPERATOR(pg_catalog.*) 1000000::double precision), 0)::bigint,
+       coalesce(pg_catalog.floor(pg_catalog.date_part('epoch', c.lease_remaining) OPERATOR(pg_catalog.*) 1000::double precision), 0)::bigint
   FROM idem.citus_claim_batch($1::text, $2::text, $3::text[], $4::text[],
-         $5::bigint * interval '1 millisecond', $6::bigint * interval '1 millisecond',
-         $7::text[], $8::bigint * interval '1 millisecond') AS c`
+         $5::bigint::double precision OPERATOR(pg_catalog.*) interval '1 millisecond', $6::bigint::double precision OPERATOR(pg_catalog.*) interval '1 millisecond',
+         $7::text[], $8::bigint::double precision OPERATOR(pg_catalog.*) interval '1 millisecond') AS c`
 
 // citusGroup is one node's part of a batch.
 type citusGroup struct {

@@ -285,3 +285,93 @@ func TestHostileSessionSettings(t *testing.T) {
 		}
 	}
 }
+
+// TestClientStatementsIgnoreOtherRolesObjects: another role that may
+// create objects in a schema on the application role's search_path
+// (public: every role could before PostgreSQL 15, and a database owner
+// or a grant still can) plants look-alike operators and functions there,
+// among them ones that beat pg_catalog's for the client's own statements
+// (bigint * interval, which pg_catalog answers through a cast;
+// unnest(text[]), which pg_catalog answers through anyarray; and, for a
+// search_path that puts public before pg_catalog, the operators and
+// functions of the statements' exact signatures). The client's protocol
+// calls, with the default search_path and with "public, pg_catalog",
+// answer right and run none of them: a look-alike run by the client would
+// run the other role's code with the application role's rights (claim,
+// complete and fail any key). Before, the claim's ttl, lease and lock
+// wait, Extend's lease and a waiter's wait ran the planted bigint *
+// interval as the application role, and the client's schema check (before
+// its first claim) ran the planted unnest. (A type another role names
+// text or jsonb in a schema listed before pg_catalog would still be the
+// statements' casts': PostgreSQL's own advice is never to list a schema
+// others can write before pg_catalog.)
+func TestClientStatementsIgnoreOtherRolesObjects(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.New(t)
+	admin := testdb.Pool(t, url, 4)
+	app := hostileRole(t, admin, "victim_app")
+	other := hostileRole(t, admin, "other_tenant")
+	if _, err := admin.Exec(ctx, `SELECT idem.grant_app($1)`, app); err != nil {
+		t.Fatal(err)
+	}
+	plant := testdb.PlantLookalikes(t, url, other, "unnest", "string_to_array", "string_agg", "floor", "round",
+		"date_part", "to_regprocedure", "to_regclass", "current_setting", "set_config", "now", "coalesce",
+		"pg_current_xact_id_if_assigned", "pg_notify")
+	// Exact signatures, which win for a search_path with public before
+	// pg_catalog, and the polymorphic unnest, which PlantLookalikes leaves
+	// out.
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	if _, err := conn.Exec(ctx, `SET ROLE `+other+`;
+		CREATE FUNCTION public.unnest(text[]) RETURNS SETOF text LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+		BEGIN INSERT INTO public.idem_fired (what, by_role) VALUES ('unnest(text[])', current_user::text);
+		      RETURN QUERY SELECT pg_catalog.unnest($1); END $$;
+		CREATE FUNCTION public.evil_mul(double precision, interval) RETURNS interval LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+		BEGIN INSERT INTO public.idem_fired (what, by_role) VALUES ('double precision * interval', current_user::text);
+		      RETURN $1 OPERATOR(pg_catalog.*) $2; END $$;
+		CREATE OPERATOR public.* (LEFTARG = double precision, RIGHTARG = interval, FUNCTION = public.evil_mul);
+		CREATE FUNCTION public.evil_fmul(double precision, double precision) RETURNS double precision LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+		BEGIN INSERT INTO public.idem_fired (what, by_role) VALUES ('double precision * double precision', current_user::text);
+		      RETURN $1 OPERATOR(pg_catalog.*) $2; END $$;
+		CREATE OPERATOR public.* (LEFTARG = double precision, RIGHTARG = double precision, FUNCTION = public.evil_fmul);
+		CREATE FUNCTION public.evil_teq(text, text) RETURNS boolean LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+		BEGIN INSERT INTO public.idem_fired (what, by_role) VALUES ('text = text', current_user::text);
+		      RETURN $1 OPERATOR(pg_catalog.=) $2; END $$;
+		CREATE OPERATOR public.= (LEFTARG = text, RIGHTARG = text, FUNCTION = public.evil_teq);
+		CREATE FUNCTION public.floor(double precision) RETURNS double precision LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+		BEGIN INSERT INTO public.idem_fired (what, by_role) VALUES ('floor(double precision)', current_user::text);
+		      RETURN pg_catalog.floor($1); END $$;
+		CREATE FUNCTION public.round(double precision) RETURNS double precision LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+		BEGIN INSERT INTO public.idem_fired (what, by_role) VALUES ('round(double precision)', current_user::text);
+		      RETURN pg_catalog.round($1); END $$;
+		CREATE FUNCTION public.date_part(text, interval) RETURNS double precision LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+		BEGIN INSERT INTO public.idem_fired (what, by_role) VALUES ('date_part(text, interval)', current_user::text);
+		      RETURN pg_catalog.date_part($1, $2); END $$;
+		RESET ROLE`); err != nil {
+		t.Fatal(err)
+	}
+	for _, path := range []string{"", "public, pg_catalog"} {
+		for _, m := range []struct {
+			name string
+			mode pgx.QueryExecMode
+		}{{"cache", 0}, {"exec", pgx.QueryExecModeExec}} {
+			t.Run(fmt.Sprintf("%q/%s", path, m.name), func(t *testing.T) {
+				set := ""
+				if path != "" {
+					set = `SET search_path = ` + path
+				}
+				source := fmt.Sprintf("other-%t-%s", path != "", m.name)
+				countEvery(t, admin, source)
+				c := testdb.Client(t, appPool(t, url, app, set, m.mode), &idem.Config{QueryExecMode: m.mode})
+				exerciseClient(t, admin, c, source, "k", 1)
+			})
+		}
+	}
+	for _, f := range plant.Fired(t) {
+		t.Errorf("the application's statements ran another role's look-alike: %s", f)
+	}
+}
