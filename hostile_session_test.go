@@ -212,7 +212,8 @@ func exerciseClient(t *testing.T, admin *pgxpool.Pool, c *idem.Client, source, p
 // other than ISO made every claim and batch fail after the database had
 // acquired its keys (pgx reads timestamps in text only in ISO).
 // standard_conforming_strings = off in simple-protocol mode is refused by
-// pgx before anything is sent.
+// pgx before anything is sent; default_transaction_isolation = 'repeatable
+// read' is refused by idem (ErrIsolationNotSupported), nothing written.
 func TestHostileSessionSettings(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -240,6 +241,7 @@ func TestHostileSessionSettings(t *testing.T) {
 		`SET bytea_output = 'escape'`,
 		`SET standard_conforming_strings = off`,
 		`SET default_transaction_isolation = 'serializable'`,
+		`SET default_transaction_isolation = 'repeatable read'`,
 		`SET DateStyle = 'SQL, DMY'; SET IntervalStyle = 'iso_8601'; SET TimeZone = '<-14>+14'; SET extra_float_digits = -15; SET bytea_output = 'escape'`,
 		// idem's own settings, left by another client: 'on', and another
 		// transaction's start time as text (also in another DateStyle).
@@ -265,6 +267,20 @@ func TestHostileSessionSettings(t *testing.T) {
 						db := stdlib.OpenDBFromPool(pool)
 						t.Cleanup(func() { db.Close() })
 						c = testdb.SQLClient(t, db, nil)
+					}
+					if strings.Contains(set, "repeatable read") {
+						// idem.claim and idem.claim_batch refuse REPEATABLE
+						// READ (its snapshot cannot see a claim committed
+						// into another month): ErrIsolationNotSupported,
+						// nothing written.
+						_, err := c.Claim(ctx, source, "k")
+						_, berr := c.ClaimBatch(ctx, source, []idem.BatchItem{{Key: "b"}})
+						var n int
+						if qerr := admin.QueryRow(ctx, `SELECT count(*) FROM idem.processed_events WHERE source = $1`, source).Scan(&n); qerr != nil || n != 0 ||
+							!errors.Is(err, idem.ErrIsolationNotSupported) || !errors.Is(berr, idem.ErrIsolationNotSupported) {
+							t.Fatalf("REPEATABLE READ by the session's default: %v, %v, %d rows written", err, berr, n)
+						}
+						return
 					}
 					if strings.Contains(set, "standard_conforming_strings") && m.mode == pgx.QueryExecModeSimpleProtocol {
 						_, err := c.Claim(ctx, source, "k")
