@@ -213,7 +213,9 @@ func exerciseClient(t *testing.T, admin *pgxpool.Pool, c *idem.Client, source, p
 // acquired its keys (pgx reads timestamps in text only in ISO).
 // standard_conforming_strings = off in simple-protocol mode is refused by
 // pgx before anything is sent; default_transaction_isolation = 'repeatable
-// read' is refused by idem (ErrIsolationNotSupported), nothing written.
+// read' is refused by idem (ErrIsolationNotSupported), nothing written;
+// with default_transaction_read_only = on a completed key's duplicate is
+// answered and a new key refused, nothing run.
 func TestHostileSessionSettings(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -242,6 +244,7 @@ func TestHostileSessionSettings(t *testing.T) {
 		`SET standard_conforming_strings = off`,
 		`SET default_transaction_isolation = 'serializable'`,
 		`SET default_transaction_isolation = 'repeatable read'`,
+		`SET default_transaction_read_only = on`,
 		`SET DateStyle = 'SQL, DMY'; SET IntervalStyle = 'iso_8601'; SET TimeZone = '<-14>+14'; SET extra_float_digits = -15; SET bytea_output = 'escape'`,
 		// idem's own settings, left by another client: 'on', and another
 		// transaction's start time as text (also in another DateStyle).
@@ -267,6 +270,26 @@ func TestHostileSessionSettings(t *testing.T) {
 						db := stdlib.OpenDBFromPool(pool)
 						t.Cleanup(func() { db.Close() })
 						c = testdb.SQLClient(t, db, nil)
+					}
+					if strings.Contains(set, "read_only") {
+						// Read-only transactions (as on a hot standby): a
+						// completed key's duplicate is answered from its
+						// row; a new key is refused (25006), nothing
+						// written, nothing run.
+						if _, err := admin.Exec(ctx, `SELECT idem.complete($1, 'done', c.token, '1') FROM idem.claim($1, 'done') c`, source); err != nil {
+							t.Fatal(err)
+						}
+						if d, err := c.Claim(ctx, source, "done"); err != nil || d.Outcome != idem.Completed || string(d.Result) != "1" {
+							t.Fatalf("a duplicate in a read-only session: %+v %v", d, err)
+						}
+						ran := false
+						_, err := c.Do(ctx, source, "new", func(context.Context) (any, error) { ran = true; return nil, nil })
+						var n int
+						if qerr := admin.QueryRow(ctx, `SELECT count(*) FROM idem.processed_events WHERE source = $1`, source).Scan(&n); qerr != nil || n != 1 ||
+							err == nil || ran {
+							t.Fatalf("a new key in a read-only session: ran %v, %v, %d rows", ran, err, n)
+						}
+						return
 					}
 					if strings.Contains(set, "repeatable read") {
 						// idem.claim and idem.claim_batch refuse REPEATABLE
