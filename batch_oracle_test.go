@@ -2,12 +2,14 @@ package idem_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemkit/idem/internal/testdb"
 )
@@ -123,9 +125,20 @@ func TestClaimBatchMatchesClaim(t *testing.T) {
 		{"s", []string{"perm", "fp", "inflight", "perm"}, []string{"", "B", "", ""}},
 		{"max1", []string{"lapsed1", "n"}, nil},
 		{"ad", []string{"leg1", "notleg", "leg1"}, nil},
+		// Keys that differ only by normalization, case or a blank at an
+		// end (distinct keys: the database's collation is deterministic),
+		// control characters but NUL, and a key three times with
+		// fingerprints NULL, set and NULL.
+		{"s", []string{"new\u00e9", "newe\u0301", "NEWE\u0301", "\u00df", "ss", "A", "a", "\x01ctl", "tab\tin", "nl\nin",
+			"del\x7f", " lead", "trail ", "trail", "completed", "new\u00e9", "newe\u0301", "three", "three", "three", "fp"},
+			[]string{"", "", "", "", "", "", "", "", "", "", "", "", "", "", "", "x", "", "", "t", "", "A"}},
+		bulkBatch(),
 	}
 	for _, iso := range []string{"READ COMMITTED", "SERIALIZABLE"} {
 		for _, b := range batches {
+			if len(b.fps) == 0 {
+				b.fps = nil
+			}
 			fps := make([]*string, len(b.keys))
 			for i := range b.fps {
 				if b.fps[i] != "" {
@@ -196,6 +209,107 @@ func TestClaimBatchMatchesClaim(t *testing.T) {
 				}
 				t.Logf("%s %s: %s", iso, b.source, strings.Join(got, " "))
 			}
+		}
+	}
+}
+
+// bulkBatch is a batch of 1,000 keys (the most idem.claim_batch takes):
+// new keys, every tenth fingerprinted, every hundredth a repeat of the one
+// before, and the oracle's completed, in-flight and mismatched keys.
+func bulkBatch() (b struct {
+	source string
+	keys   []string
+	fps    []string
+}) {
+	b.source = "s"
+	for i := range 1000 {
+		k, fp := fmt.Sprintf("bulk%04d", i), ""
+		switch {
+		case i == 500:
+			k = "completed"
+		case i == 501:
+			k = "inflight"
+		case i == 502:
+			k, fp = "fp", "B"
+		case i%100 == 99:
+			k = fmt.Sprintf("bulk%04d", i-1)
+		case i%10 == 0:
+			fp = "f"
+		}
+		b.keys, b.fps = append(b.keys, k), append(b.fps, fp)
+	}
+	return b
+}
+
+// TestClaimBatchBadInput: input idem.claim_batch cannot answer (an empty,
+// NULL, two-dimensional or not 1-based keys array, 1,001 keys, a NULL key,
+// fingerprints or event types of another length, an item idem.claim
+// refuses) is refused with its own SQLSTATE, before anything is written;
+// an item idem.claim refuses is refused with idem.claim's SQLSTATE, and
+// the message names the item. 1,000 keys are taken.
+func TestClaimBatchBadInput(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Pool(t, testdb.New(t), 2)
+	thousand := make([]string, 1000)
+	for i := range thousand {
+		thousand[i] = fmt.Sprintf("k%04d", i)
+	}
+	long := strings.Repeat("k", 513)
+	for _, c := range []struct {
+		name, sql string
+		args      []any
+		code      string
+		item      int   // the item the message names (0: none)
+		single    []any // idem.claim's arguments for that item (nil: not an item's)
+	}{
+		{"empty", `SELECT * FROM idem.claim_batch('s', '{}')`, nil, "22023", 0, nil},
+		{"NULL keys", `SELECT * FROM idem.claim_batch('s', NULL)`, nil, "22004", 0, nil},
+		{"1001 keys", `SELECT * FROM idem.claim_batch('s', $1)`, []any{append(thousand, "k1000")}, "ID009", 0, nil},
+		{"two dimensions", `SELECT * FROM idem.claim_batch('s', '{{a,b},{c,d}}')`, nil, "22023", 0, nil},
+		{"from 0", `SELECT * FROM idem.claim_batch('s', '[0:1]={a,b}')`, nil, "22023", 0, nil},
+		{"NULL key", `SELECT * FROM idem.claim_batch('s', ARRAY['a', NULL, 'c'])`, nil, "22004", 2, []any{"s", nil, nil}},
+		{"blank key", `SELECT * FROM idem.claim_batch('s', ARRAY['a', E' \t'])`, nil, "22023", 2, []any{"s", " \t", nil}},
+		{"long key", `SELECT * FROM idem.claim_batch('s', ARRAY['a', $1])`, []any{long}, "22001", 2, []any{"s", long, nil}},
+		{"long fingerprint", `SELECT * FROM idem.claim_batch('s', ARRAY['a', 'b'], ARRAY[NULL, $1])`, []any{strings.Repeat("f", 513)}, "22001", 2, []any{"s", "b", strings.Repeat("f", 513)}},
+		{"fingerprints short", `SELECT * FROM idem.claim_batch('s', ARRAY['a', 'b'], ARRAY['f'])`, nil, "22023", 0, nil},
+		{"fingerprints long", `SELECT * FROM idem.claim_batch('s', ARRAY['a'], ARRAY['f', NULL])`, nil, "22023", 0, nil},
+		{"event types short", `SELECT * FROM idem.claim_batch('s', ARRAY['a', 'b'], event_types => ARRAY['t'])`, nil, "22023", 0, nil},
+		{"control source", `SELECT * FROM idem.claim_batch(E's\x01', ARRAY['a'])`, nil, "22023", 0, []any{"s\x01", "a", nil}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := pool.Exec(ctx, c.sql, c.args...)
+			var pg *pgconn.PgError
+			if !errors.As(err, &pg) || pg.Code != c.code {
+				t.Fatalf("%v, want SQLSTATE %s", err, c.code)
+			}
+			if c.item > 0 && !strings.Contains(pg.Message, fmt.Sprintf("(item %d)", c.item)) {
+				t.Errorf("%q does not name item %d", pg.Message, c.item)
+			}
+			if c.single != nil {
+				_, err := pool.Exec(ctx, `SELECT * FROM idem.claim($1, $2, $3)`, c.single...)
+				var one *pgconn.PgError
+				if !errors.As(err, &one) || one.Code != pg.Code {
+					t.Errorf("idem.claim of the item: %v, the batch: %s", err, pg.Code)
+				}
+			}
+		})
+	}
+	var n int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem.processed_events`).Scan(&n); err != nil || n != 0 {
+		t.Fatalf("refused batches wrote %d rows (%v)", n, err)
+	}
+	rows, err := pool.Query(ctx, `SELECT outcome FROM idem.claim_batch('s', $1)`, thousand)
+	if err != nil {
+		t.Fatal(err)
+	}
+	outs, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil || len(outs) != 1000 {
+		t.Fatalf("1,000 keys: %d answers, %v", len(outs), err)
+	}
+	for i, o := range outs {
+		if o != "acquired" {
+			t.Fatalf("1,000 keys: item %d %s", i+1, o)
 		}
 	}
 }

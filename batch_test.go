@@ -474,7 +474,12 @@ func TestClaimBatchCacheAndObserver(t *testing.T) {
 // TestClaimBatchLeastPrivilege: the application role (idem.grant_app) runs
 // every batch call, with look-alike operators and functions planted in
 // public by itself, and none of them runs inside idem's functions; it
-// cannot call the batch's internal helper nor write idem's tables.
+// cannot call the batch's internal helper nor write idem's tables. With
+// look-alikes of the exact signatures the SERIALIZABLE placeholders
+// (pg_control_checkpoint(), pg_current_snapshot(), migration 32) and the
+// uncounted mark (now(), current_setting, set_config, migration 31) call
+// added, SERIALIZABLE claims and batches and a waiting duplicate run none
+// of them as idem's owner.
 func TestClaimBatchLeastPrivilege(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -531,6 +536,51 @@ func TestClaimBatchLeastPrivilege(t *testing.T) {
 			cls[0].Outcome != idem.Completed || cls[1].Outcome != idem.Completed {
 			t.Fatalf("redelivered, %d: %+v %v", i, cls, err)
 		}
+	}
+	// SERIALIZABLE (migration 32: idem.serializable_floor reads
+	// pg_control_checkpoint() and the snapshot's xmin) and a waiting
+	// duplicate (migration 31's mark), with look-alikes of the exact
+	// signatures those paths call planted too: a claim of a new key with a
+	// 400-day ttl, a batch, and WithWait on a key in progress.
+	if _, err := app.Exec(ctx, exactLookalikes); err != nil {
+		t.Fatal(err)
+	}
+	// They are what the app's own unqualified calls now reach.
+	if _, err := app.Exec(ctx, `SELECT now(), pg_control_checkpoint(), 'a' = 'b'`); err != nil {
+		t.Fatal(err)
+	}
+	if f := strings.Join(plant.Fired(t), "; "); !strings.Contains(f, "now() as "+role) || !strings.Contains(f, "pg_control_checkpoint() as "+role) ||
+		!strings.Contains(f, "text = text as "+role) {
+		t.Fatalf("the exact look-alikes are not on the app's path: %s", f)
+	}
+	for _, key := range []string{"ser-1", "ser-2"} {
+		if err := pgx.BeginTxFunc(ctx, app, pgx.TxOptions{IsoLevel: pgx.Serializable}, func(tx pgx.Tx) error {
+			cl, err := c.WithTx(tx).Claim(ctx, "s", key, idem.WithTTL(400*24*time.Hour))
+			if err == nil && cl.Outcome != idem.Acquired {
+				err = fmt.Errorf("SERIALIZABLE claim of %s: %s", key, cl.Outcome)
+			}
+			if err != nil {
+				return err
+			}
+			cls, err := c.WithTx(tx).ClaimBatch(ctx, "s", []idem.BatchItem{{Key: key + "-b1"}, {Key: key}})
+			if err == nil && (cls[0].Outcome != idem.Acquired || cls[1].Outcome != idem.InProgress) {
+				err = fmt.Errorf("SERIALIZABLE batch: %s %s", cls[0].Outcome, cls[1].Outcome)
+			}
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	held, err := c.Claim(ctx, "s", "waited")
+	if err != nil || held.Outcome != idem.Acquired {
+		t.Fatalf("%+v %v", held, err)
+	}
+	go func() {
+		time.Sleep(200 * time.Millisecond)
+		_ = c.Complete(context.Background(), "s", "waited", held.Token, json.RawMessage(`1`))
+	}()
+	if w, err := c.Claim(ctx, "s", "waited", idem.WithWait(time.Minute)); err != nil || w.Outcome != idem.Completed {
+		t.Fatalf("a waiting duplicate: %+v %v", w, err)
 	}
 	// The app's own statements may run its own look-alikes (as itself:
 	// no privilege gained); none may run as anyone else, as idem's
@@ -833,3 +883,47 @@ func TestClaimBatchLockOrder(t *testing.T) {
 		}
 	}
 }
+
+// exactLookalikes plants, in public, look-alikes of the exact signatures
+// of the functions and operators the SERIALIZABLE and uncounted paths call
+// (PlantLookalikes plants only those that beat pg_catalog's through a
+// cast): with "public, pg_catalog" as the search_path, an unqualified call
+// of any of them in a function running as idem's owner would run them.
+const exactLookalikes = `
+CREATE FUNCTION public.idem_fire(what text) RETURNS void LANGUAGE sql SET search_path = pg_catalog, pg_temp
+    AS $$ INSERT INTO public.idem_fired (what, by_role) VALUES (what, current_user::text) $$;
+CREATE FUNCTION public.pg_control_checkpoint(OUT checkpoint_lsn pg_lsn, OUT redo_lsn pg_lsn, OUT redo_wal_file text,
+    OUT timeline_id integer, OUT prev_timeline_id integer, OUT full_page_writes boolean, OUT next_xid text, OUT next_oid oid,
+    OUT next_multixact_id xid, OUT next_multi_offset xid, OUT oldest_xid xid, OUT oldest_xid_dbid oid,
+    OUT oldest_active_xid xid, OUT oldest_multi_xid xid, OUT oldest_multi_dbid oid, OUT oldest_commit_ts_xid xid,
+    OUT newest_commit_ts_xid xid, OUT checkpoint_time timestamp with time zone)
+    LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
+    AS $$ BEGIN PERFORM public.idem_fire('pg_control_checkpoint()'); SELECT * INTO checkpoint_lsn, redo_lsn, redo_wal_file, timeline_id,
+        prev_timeline_id, full_page_writes, next_xid, next_oid, next_multixact_id, next_multi_offset, oldest_xid, oldest_xid_dbid,
+        oldest_active_xid, oldest_multi_xid, oldest_multi_dbid, oldest_commit_ts_xid, newest_commit_ts_xid, checkpoint_time
+        FROM pg_catalog.pg_control_checkpoint(); END $$;
+CREATE FUNCTION public.pg_current_snapshot() RETURNS pg_snapshot LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
+    AS $$ BEGIN PERFORM public.idem_fire('pg_current_snapshot()'); RETURN pg_catalog.pg_current_snapshot(); END $$;
+CREATE FUNCTION public.now() RETURNS timestamptz LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
+    AS $$ BEGIN PERFORM public.idem_fire('now()'); RETURN pg_catalog.now(); END $$;
+CREATE FUNCTION public.current_setting(text, boolean) RETURNS text LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
+    AS $$ BEGIN PERFORM public.idem_fire('current_setting(text, boolean)'); RETURN pg_catalog.current_setting($1, $2); END $$;
+CREATE FUNCTION public.current_setting(text) RETURNS text LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
+    AS $$ BEGIN PERFORM public.idem_fire('current_setting(text)'); RETURN pg_catalog.current_setting($1); END $$;
+CREATE FUNCTION public.set_config(text, text, boolean) RETURNS text LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
+    AS $$ BEGIN PERFORM public.idem_fire('set_config(text, text, boolean)'); RETURN pg_catalog.set_config($1, $2, $3); END $$;
+CREATE FUNCTION public.md5(text) RETURNS text LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
+    AS $$ BEGIN PERFORM public.idem_fire('md5(text)'); RETURN pg_catalog.md5($1); END $$;
+CREATE FUNCTION public.hashtext(text) RETURNS integer LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
+    AS $$ BEGIN PERFORM public.idem_fire('hashtext(text)'); RETURN pg_catalog.hashtext($1); END $$;
+CREATE FUNCTION public.to_regclass(text) RETURNS regclass LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
+    AS $$ BEGIN PERFORM public.idem_fire('to_regclass(text)'); RETURN pg_catalog.to_regclass($1); END $$;
+CREATE FUNCTION public.pg_try_advisory_xact_lock(integer, integer) RETURNS boolean LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
+    AS $$ BEGIN PERFORM public.idem_fire('pg_try_advisory_xact_lock(integer, integer)'); RETURN pg_catalog.pg_try_advisory_xact_lock($1, $2); END $$;
+CREATE FUNCTION public.idem_texteq(text, text) RETURNS boolean LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
+    AS $$ BEGIN PERFORM public.idem_fire('text = text'); RETURN $1 OPERATOR(pg_catalog.=) $2; END $$;
+CREATE OPERATOR public.= (LEFTARG = text, RIGHTARG = text, FUNCTION = public.idem_texteq);
+CREATE FUNCTION public.idem_textcat(text, text) RETURNS text LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp
+    AS $$ BEGIN PERFORM public.idem_fire('text || text'); RETURN $1 OPERATOR(pg_catalog.||) $2; END $$;
+CREATE OPERATOR public.|| (LEFTARG = text, RIGHTARG = text, FUNCTION = public.idem_textcat);
+`

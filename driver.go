@@ -13,7 +13,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/db/pgxdb"
@@ -253,11 +252,15 @@ func (d pgxDriver) guard(ctx context.Context, risky bool, fn func() error) error
 	}, fn)
 }
 
-func tsOf(t pgtype.Timestamptz) time.Time {
-	if !t.Valid {
+// usTime is a protocol timestamp, microseconds since the Unix epoch as the
+// queries send it (sql/queries/protocol.sql: a timestamptz in text is
+// written in the session's DateStyle, which any client of a pooled
+// connection can change); 0 is none.
+func usTime(us int64) time.Time {
+	if us == 0 {
 		return time.Time{}
 	}
-	return t.Time
+	return time.UnixMicro(us)
 }
 
 func (d pgxDriver) claim(ctx context.Context, a claimArgs) (*Claim, error) {
@@ -279,8 +282,8 @@ func (d pgxDriver) claim(ctx context.Context, a claimArgs) (*Claim, error) {
 	return &Claim{
 		Outcome: Outcome(row.Outcome), Source: a.source, Key: a.key,
 		Token: row.Token, Attempt: int(row.Attempt),
-		LeaseExpiresAt: tsOf(row.LeaseExpiresAt), Result: json.RawMessage(row.Result),
-		Error: row.Error, FirstSeen: tsOf(row.FirstSeen), ExpiresAt: tsOf(row.ExpiresAt),
+		LeaseExpiresAt: usTime(row.LeaseExpiresAtUs), Result: json.RawMessage(row.Result),
+		Error: row.Error, FirstSeen: usTime(row.FirstSeenUs), ExpiresAt: usTime(row.ExpiresAtUs),
 		LeaseRemaining: time.Duration(row.LeaseRemainingMs) * time.Millisecond,
 	}, nil
 }
@@ -340,7 +343,7 @@ func (d pgxDriver) failMomentary(ctx context.Context, source, key string, token 
 
 func (d pgxDriver) extend(ctx context.Context, source, key string, token int64, lease time.Duration) (string, time.Time, error) {
 	row, err := d.q.Extend(ctx, pgxdb.ExtendParams{Source: source, Key: key, Token: token, LeaseMs: msPtr(lease)})
-	return row.Outcome, tsOf(row.LeaseExpiresAt), err
+	return row.Outcome, usTime(row.LeaseExpiresAtUs), err
 }
 
 func (d pgxDriver) peek(ctx context.Context, source, key string) (string, time.Duration, error) {
@@ -485,8 +488,8 @@ func (d sqlDriver) claim(ctx context.Context, a claimArgs) (*Claim, error) {
 	c := &Claim{
 		Outcome: Outcome(row.Outcome), Source: a.source, Key: a.key,
 		Token: row.Token, Attempt: int(row.Attempt),
-		LeaseExpiresAt: row.LeaseExpiresAt.Time, Error: row.Error,
-		FirstSeen: row.FirstSeen.Time, ExpiresAt: row.ExpiresAt.Time,
+		LeaseExpiresAt: usTime(row.LeaseExpiresAtUs), Error: row.Error,
+		FirstSeen: usTime(row.FirstSeenUs), ExpiresAt: usTime(row.ExpiresAtUs),
 		LeaseRemaining: time.Duration(row.LeaseRemainingMs) * time.Millisecond,
 	}
 	if row.Result.Valid {
@@ -556,7 +559,7 @@ func (d sqlDriver) extend(ctx context.Context, source, key string, token int64, 
 	row, err := sqlRetry(d, func() (sqldb.ExtendRow, error) {
 		return d.q.Extend(ctx, sqldb.ExtendParams{Source: source, Key: key, Token: token, LeaseMs: nullMs(lease)})
 	})
-	return row.Outcome, row.LeaseExpiresAt.Time, err
+	return row.Outcome, usTime(row.LeaseExpiresAtUs), err
 }
 
 func (d sqlDriver) peek(ctx context.Context, source, key string) (string, time.Duration, error) {

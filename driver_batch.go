@@ -60,8 +60,8 @@ func (d pgxDriver) claimBatch(ctx context.Context, a batchArgs) ([]*Claim, error
 		cl := &Claim{
 			Outcome: Outcome(row.Outcome), Source: a.source, Key: a.items[i].Key,
 			Token: row.Token, Attempt: int(row.Attempt),
-			LeaseExpiresAt: tsOf(row.LeaseExpiresAt), Result: json.RawMessage(row.Result),
-			Error: row.Error, FirstSeen: tsOf(row.FirstSeen), ExpiresAt: tsOf(row.ExpiresAt),
+			LeaseExpiresAt: usTime(row.LeaseExpiresAtUs), Result: json.RawMessage(row.Result),
+			Error: row.Error, FirstSeen: usTime(row.FirstSeenUs), ExpiresAt: usTime(row.ExpiresAtUs),
 			LeaseRemaining: time.Duration(row.LeaseRemainingMs) * time.Millisecond,
 		}
 		if !inOrder(out, seen, row.Ord, cl) {
@@ -126,8 +126,8 @@ func (d sqlDriver) claimBatch(ctx context.Context, a batchArgs) ([]*Claim, error
 		cl := &Claim{
 			Outcome: Outcome(row.Outcome), Source: a.source, Key: a.items[i].Key,
 			Token: row.Token, Attempt: int(row.Attempt),
-			LeaseExpiresAt: row.LeaseExpiresAt.Time, Error: row.Error,
-			FirstSeen: row.FirstSeen.Time, ExpiresAt: row.ExpiresAt.Time,
+			LeaseExpiresAt: usTime(row.LeaseExpiresAtUs), Error: row.Error,
+			FirstSeen: usTime(row.FirstSeenUs), ExpiresAt: usTime(row.ExpiresAtUs),
 			LeaseRemaining: time.Duration(row.LeaseRemainingMs) * time.Millisecond,
 		}
 		if row.Result.Valid {

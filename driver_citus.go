@@ -29,14 +29,15 @@ const citusRoutes = `SELECT key, ords FROM idem.citus_batch_routes($1::text::tex
 // its first argument the group's key, a parameter: Citus delegates the call
 // by it. The arrays are text[] parameters (Citus cannot send a delegated
 // call's text::text[] casts to the node: "cannot cast type cstring to
-// text[]").
+// text[]"). Its timestamps are microseconds since the epoch, as
+// ClaimBatch's.
 const citusClaimBatch = `SELECT c.ord::integer, c.outcome::text, coalesce(c.token, 0)::bigint, coalesce(c.attempt, 0)::integer,
-       c.lease_expires_at::timestamptz, c.result::jsonb, coalesce(c.error, '')::text,
-       c.first_seen::timestamptz, c.expires_at::timestamptz,
-       coalesce(floor(pg_catalog.date_part('epoch', c.lease_remaining) * 1000::double precision), 0)::bigint
+       coalesce(pg_catalog.round(pg_catalog.date_part('epoch', c.lease_expires_at) OPERATOR(pg_catalog.*) 1000000::double precision), 0)::bigint, c.result::jsonb, coalesce(c.error, '')::text,
+       coalesce(pg_catalog.round(pg_catalog.date_part('epoch', c.first_seen) OPERATOR(pg_catalog.*) 1000000::double precision), 0)::bigint, coalesce(pg_catalog.round(pg_catalog.date_part('epoch', c.expires_at) OPERATOR(pg_catalog.*) 1000000::double precision), 0)::bigint,
+       coalesce(pg_catalog.floor(pg_catalog.date_part('epoch', c.lease_remaining) OPERATOR(pg_catalog.*) 1000::double precision), 0)::bigint
   FROM idem.citus_claim_batch($1::text, $2::text, $3::text[], $4::text[],
-         $5::bigint * interval '1 millisecond', $6::bigint * interval '1 millisecond',
-         $7::text[], $8::bigint * interval '1 millisecond') AS c`
+         $5::bigint::double precision OPERATOR(pg_catalog.*) interval '1 millisecond', $6::bigint::double precision OPERATOR(pg_catalog.*) interval '1 millisecond',
+         $7::text[], $8::bigint::double precision OPERATOR(pg_catalog.*) interval '1 millisecond') AS c`
 
 // citusGroup is one node's part of a batch.
 type citusGroup struct {
@@ -74,7 +75,7 @@ type citusRow struct {
 	token, leaseMs               int64
 	attempt                      int32
 	result                       []byte
-	leaseExp, firstSeen, expires pgtype.Timestamptz
+	leaseExp, firstSeen, expires int64 // microseconds since the epoch (usTime)
 }
 
 func (r *citusRow) dest() []any {
@@ -90,8 +91,8 @@ func (r *citusRow) place(a batchArgs, g citusGroup, out []*Claim, seen []bool) b
 	cl := &Claim{
 		Outcome: Outcome(r.outcome), Source: a.source, Key: a.items[ord-1].Key,
 		Token: r.token, Attempt: int(r.attempt),
-		LeaseExpiresAt: tsOf(r.leaseExp), Result: json.RawMessage(r.result),
-		Error: r.errText, FirstSeen: tsOf(r.firstSeen), ExpiresAt: tsOf(r.expires),
+		LeaseExpiresAt: usTime(r.leaseExp), Result: json.RawMessage(r.result),
+		Error: r.errText, FirstSeen: usTime(r.firstSeen), ExpiresAt: usTime(r.expires),
 		LeaseRemaining: time.Duration(r.leaseMs) * time.Millisecond,
 	}
 	return inOrder(out, seen, ord, cl)

@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem"
@@ -197,5 +198,36 @@ func TestDuplicatesOnStandby(t *testing.T) {
 	ran := false
 	if _, err := c.Do(ctx, "ro", "new", func(context.Context) (any, error) { ran = true; return 1, nil }); err == nil || ran {
 		t.Fatalf("a new key on the standby: ran %v, %v", ran, err)
+	}
+	// SERIALIZABLE (migration 32's placeholders read pg_control_checkpoint(),
+	// which on a standby is its last restartpoint): PostgreSQL refuses
+	// serializable mode in a hot standby before any of idem runs, whether
+	// the transaction asks for it or the session's default does; the claim
+	// fails (0A000), nothing runs.
+	for _, set := range []string{"", "SET default_transaction_isolation = 'serializable'"} {
+		conn, err := pool.Acquire(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if set != "" {
+			if _, err := conn.Exec(ctx, set); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for _, key := range []string{"k", "new-ser"} {
+			ran := false
+			err := pgx.BeginTxFunc(ctx, conn, pgx.TxOptions{IsoLevel: pgx.Serializable}, func(tx pgx.Tx) error {
+				_, err := c.WithTx(tx).Do(ctx, "ro", key, func(context.Context) (any, error) { ran = true; return 1, nil })
+				return err
+			})
+			if set != "" {
+				err = errors.Join(err, conn.QueryRow(ctx, `SELECT outcome FROM idem.claim('ro', $1)`, key).Scan(new(string)))
+			}
+			var pg *pgconn.PgError
+			if ran || !errors.As(err, &pg) || pg.Code != "0A000" {
+				t.Errorf("%q SERIALIZABLE claim of %s on the standby: ran %v, %v, want 0A000", set, key, ran, err)
+			}
+		}
+		conn.Release()
 	}
 }

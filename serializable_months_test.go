@@ -153,7 +153,8 @@ func raceAcrossMonths(t *testing.T, url string) (*tally, int) {
 // proves the old transaction is what widened the placeholders. On a
 // server of its own (autovacuum off): any transaction of another test
 // open across the checkpoint would widen them too (as it should), and the
-// control would prove nothing.
+// control would prove nothing. A checkpoint that begins after the
+// snapshot, with a writer's id taken in between, widens them too.
 func TestSerializablePlaceholdersOldTransaction(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -228,6 +229,61 @@ func TestSerializablePlaceholdersOldTransaction(t *testing.T) {
 		outcome, err := race(t, "k-old", true)
 		if !isSerialization(err) {
 			t.Fatalf("the SERIALIZABLE claim of a key committed into a month 40 days back by a transaction older than the checkpoint: %q %v, want a serialization failure", outcome, err)
+		}
+	})
+	// A checkpoint racing the claim: it begins after the SERIALIZABLE
+	// snapshot, and a writer took its id between the two (so the snapshot
+	// cannot see its commit, and the checkpoint's next_xid is past the
+	// snapshot's xmin). The floor read after the checkpoint is then the
+	// window's first month, for a single claim and for a batch, and each
+	// meets the writer's row.
+	t.Run("a checkpoint after the snapshot", func(t *testing.T) {
+		for _, batch := range []bool{false, true} {
+			key := fmt.Sprintf("k-ckpt-%t", batch)
+			conn, err := pgx.Connect(ctx, url)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Close(ctx)
+			ser, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.Serializable})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = ser.Rollback(ctx) }()
+			if _, err := ser.Exec(ctx, `SELECT 1`); err != nil { // the snapshot
+				t.Fatal(err)
+			}
+			old, err := admin.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = old.Rollback(ctx) }()
+			if _, err := old.Exec(ctx, `SELECT pg_current_xact_id()`); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := admin.Exec(ctx, `CHECKPOINT`); err != nil {
+				t.Fatal(err)
+			}
+			var first string
+			if err := old.QueryRow(ctx, `SELECT c.outcome FROM (SELECT set_config('idem.test_now', $1, true)) s, idem.claim('ledger', $2) c`,
+				then.Format(time.RFC3339Nano), key).Scan(&first); err != nil || first != "acquired" {
+				t.Fatalf("the writer's claim: %q %v", first, err)
+			}
+			if err := old.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+			var outcome string
+			q := `SELECT outcome FROM idem.claim('ledger', $1)`
+			if batch {
+				q = `SELECT outcome FROM idem.claim_batch('ledger', ARRAY['k-ckpt-other', $1]) WHERE ord = 2`
+			}
+			err = ser.QueryRow(ctx, q, key).Scan(&outcome)
+			if err == nil {
+				err = ser.Commit(ctx)
+			}
+			if !isSerialization(err) {
+				t.Fatalf("batch %t: the SERIALIZABLE claim of a key committed 40 days back by a writer whose id precedes a checkpoint begun after the snapshot: %q %v, want a serialization failure", batch, outcome, err)
+			}
 		}
 	})
 	t.Run("negative control: a young transaction with an old clock", func(t *testing.T) {

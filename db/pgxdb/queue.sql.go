@@ -428,6 +428,10 @@ type QueueHoldParams struct {
 // The inbox's queue protocol (migration 7): a key held for a queued job,
 // taken by each of the job's attempts with a token of its own, completed
 // or dead-lettered. Used by package inbox; see docs/inbox.md.
+// Operators are OPERATOR(pg_catalog.x) and the millisecond arguments
+// double precision (an exact match), as in protocol.sql: an operator
+// bigint * interval in a schema another role may write would otherwise run
+// as the inbox's role (inbox.TestQueueStatementsIgnoreOtherRolesObjects).
 // dead_job_id: the job of the dead hold this one replaces, 0 for none.
 func (q *Queries) QueueHold(ctx context.Context, arg QueueHoldParams) (int64, error) {
 	row := q.db.QueryRow(ctx, queueHold,
@@ -552,7 +556,7 @@ SELECT r.outcome::text                 AS outcome,
        r.expires_at::timestamptz       AS expires_at,
        coalesce(r.error, '')::text     AS error
   FROM idem.queue_replay($1::text, $2::text, $3::bigint,
-                         $4::bigint * interval '1 millisecond') AS r
+                         $4::bigint::double precision OPERATOR(pg_catalog.*) interval '1 millisecond') AS r
 `
 
 type QueueReplayParams struct {
@@ -595,7 +599,7 @@ SELECT t.outcome::text                  AS outcome,
        t.lease_expires_at::timestamptz  AS lease_expires_at,
        coalesce(t.error, '')::text      AS error
   FROM idem.queue_take($1::text, $2::text, $3::bigint,
-                       $4::bigint, $5::bigint * interval '1 millisecond') AS t
+                       $4::bigint, $5::bigint::double precision OPERATOR(pg_catalog.*) interval '1 millisecond') AS t
 `
 
 type QueueTakeParams struct {

@@ -13,8 +13,8 @@ import (
 )
 
 const cacheable = `-- name: Cacheable :one
-SELECT (pg_current_xact_id_if_assigned() IS NULL
-        AND current_setting('transaction_isolation') = 'read committed')::bool AS cacheable
+SELECT (pg_catalog.pg_current_xact_id_if_assigned() IS NULL
+        AND pg_catalog.current_setting('transaction_isolation') OPERATOR(pg_catalog.=) 'read committed')::boolean AS cacheable
 `
 
 // Whether a completed answer read in the current transaction was committed
@@ -29,8 +29,8 @@ func (q *Queries) Cacheable(ctx context.Context) (bool, error) {
 }
 
 const citusInstalled = `-- name: CitusInstalled :one
-SELECT (to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL
-        AND to_regprocedure('idem.distributed()') IS NOT NULL)::boolean AS installed
+SELECT (pg_catalog.to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL
+        AND pg_catalog.to_regprocedure('idem.distributed()') IS NOT NULL)::boolean AS installed
 `
 
 // Whether Citus is installed in this database and idem can be asked
@@ -49,20 +49,20 @@ const claim = `-- name: Claim :one
 SELECT c.outcome::text             AS outcome,
        coalesce(c.token, 0)::bigint AS token,
        coalesce(c.attempt, 0)::integer AS attempt,
-       c.lease_expires_at::timestamptz AS lease_expires_at,
+       coalesce(pg_catalog.round(pg_catalog.date_part('epoch', c.lease_expires_at) OPERATOR(pg_catalog.*) 1000000::double precision), 0)::bigint AS lease_expires_at_us,
        c.result::jsonb             AS result,
        coalesce(c.error, '')::text AS error,
-       c.first_seen::timestamptz   AS first_seen,
-       c.expires_at::timestamptz   AS expires_at,
-       coalesce(floor(pg_catalog.date_part('epoch', c.lease_remaining) * 1000::double precision), 0)::bigint AS lease_remaining_ms
+       coalesce(pg_catalog.round(pg_catalog.date_part('epoch', c.first_seen) OPERATOR(pg_catalog.*) 1000000::double precision), 0)::bigint AS first_seen_us,
+       coalesce(pg_catalog.round(pg_catalog.date_part('epoch', c.expires_at) OPERATOR(pg_catalog.*) 1000000::double precision), 0)::bigint AS expires_at_us,
+       coalesce(pg_catalog.floor(pg_catalog.date_part('epoch', c.lease_remaining) OPERATOR(pg_catalog.*) 1000::double precision), 0)::bigint AS lease_remaining_ms
   FROM idem.claim(
          $1::text,
          $2::text,
          $3::text,
-         $4::bigint * interval '1 millisecond',
-         $5::bigint * interval '1 millisecond',
+         $4::bigint::double precision OPERATOR(pg_catalog.*) interval '1 millisecond',
+         $5::bigint::double precision OPERATOR(pg_catalog.*) interval '1 millisecond',
          $6::text,
-         $7::bigint * interval '1 millisecond') AS c
+         $7::bigint::double precision OPERATOR(pg_catalog.*) interval '1 millisecond') AS c
 `
 
 type ClaimParams struct {
@@ -79,17 +79,30 @@ type ClaimRow struct {
 	Outcome          string
 	Token            int64
 	Attempt          int32
-	LeaseExpiresAt   sql.NullTime
+	LeaseExpiresAtUs int64
 	Result           pqtype.NullRawMessage
 	Error            string
-	FirstSeen        sql.NullTime
-	ExpiresAt        sql.NullTime
+	FirstSeenUs      int64
+	ExpiresAtUs      int64
 	LeaseRemainingMs int64
 }
 
 // The claim protocol. Every query calls one idem.* function; the columns are
 // cast so that sqlc generates precise types instead of interface{}.
 // Durations travel as milliseconds so both drivers agree on their type.
+// They run as the application's role with the session's search_path, on
+// which another role may own a schema (public, writable by every role
+// before PostgreSQL 15): every function is pg_catalog's by name and every
+// operator OPERATOR(pg_catalog.x), so no look-alike there (one that
+// matches better than pg_catalog's through a cast, or polymorphism) runs
+// with the application's rights. Type names (text, jsonb) are pg_catalog's
+// as long as the search_path does not list another schema before
+// pg_catalog (TestClientStatementsIgnoreOtherRolesObjects).
+// Timestamps travel as microseconds since the Unix epoch (0: none): a
+// timestamptz in text (pgx's exec and simple-protocol modes, which
+// PgBouncer setups use, and lib/pq) is written in the session's DateStyle,
+// which any client of a pooled connection can set ('SQL, DMY', 'German')
+// and which neither driver reads back.
 // lease_remaining_ms: the lease granted (acquired) or left (in_progress), by
 // the database's clock; 0 when unknown.
 func (q *Queries) Claim(ctx context.Context, arg ClaimParams) (ClaimRow, error) {
@@ -107,11 +120,11 @@ func (q *Queries) Claim(ctx context.Context, arg ClaimParams) (ClaimRow, error) 
 		&i.Outcome,
 		&i.Token,
 		&i.Attempt,
-		&i.LeaseExpiresAt,
+		&i.LeaseExpiresAtUs,
 		&i.Result,
 		&i.Error,
-		&i.FirstSeen,
-		&i.ExpiresAt,
+		&i.FirstSeenUs,
+		&i.ExpiresAtUs,
 		&i.LeaseRemainingMs,
 	)
 	return i, err
@@ -122,20 +135,20 @@ SELECT c.ord::integer              AS ord,
        c.outcome::text             AS outcome,
        coalesce(c.token, 0)::bigint AS token,
        coalesce(c.attempt, 0)::integer AS attempt,
-       c.lease_expires_at::timestamptz AS lease_expires_at,
+       coalesce(pg_catalog.round(pg_catalog.date_part('epoch', c.lease_expires_at) OPERATOR(pg_catalog.*) 1000000::double precision), 0)::bigint AS lease_expires_at_us,
        c.result::jsonb             AS result,
        coalesce(c.error, '')::text AS error,
-       c.first_seen::timestamptz   AS first_seen,
-       c.expires_at::timestamptz   AS expires_at,
-       coalesce(floor(pg_catalog.date_part('epoch', c.lease_remaining) * 1000::double precision), 0)::bigint AS lease_remaining_ms
+       coalesce(pg_catalog.round(pg_catalog.date_part('epoch', c.first_seen) OPERATOR(pg_catalog.*) 1000000::double precision), 0)::bigint AS first_seen_us,
+       coalesce(pg_catalog.round(pg_catalog.date_part('epoch', c.expires_at) OPERATOR(pg_catalog.*) 1000000::double precision), 0)::bigint AS expires_at_us,
+       coalesce(pg_catalog.floor(pg_catalog.date_part('epoch', c.lease_remaining) OPERATOR(pg_catalog.*) 1000::double precision), 0)::bigint AS lease_remaining_ms
   FROM idem.claim_batch(
          $1::text,
          $2::text::text[],
          $3::text::text[],
-         $4::bigint * interval '1 millisecond',
-         $5::bigint * interval '1 millisecond',
+         $4::bigint::double precision OPERATOR(pg_catalog.*) interval '1 millisecond',
+         $5::bigint::double precision OPERATOR(pg_catalog.*) interval '1 millisecond',
          $6::text::text[],
-         $7::bigint * interval '1 millisecond') AS c
+         $7::bigint::double precision OPERATOR(pg_catalog.*) interval '1 millisecond') AS c
 `
 
 type ClaimBatchParams struct {
@@ -153,11 +166,11 @@ type ClaimBatchRow struct {
 	Outcome          string
 	Token            int64
 	Attempt          int32
-	LeaseExpiresAt   sql.NullTime
+	LeaseExpiresAtUs int64
 	Result           pqtype.NullRawMessage
 	Error            string
-	FirstSeen        sql.NullTime
-	ExpiresAt        sql.NullTime
+	FirstSeenUs      int64
+	ExpiresAtUs      int64
 	LeaseRemainingMs int64
 }
 
@@ -186,11 +199,11 @@ func (q *Queries) ClaimBatch(ctx context.Context, arg ClaimBatchParams) ([]Claim
 			&i.Outcome,
 			&i.Token,
 			&i.Attempt,
-			&i.LeaseExpiresAt,
+			&i.LeaseExpiresAtUs,
 			&i.Result,
 			&i.Error,
-			&i.FirstSeen,
-			&i.ExpiresAt,
+			&i.FirstSeenUs,
+			&i.ExpiresAtUs,
 			&i.LeaseRemainingMs,
 		); err != nil {
 			return nil, err
@@ -356,9 +369,9 @@ func (q *Queries) Distributed(ctx context.Context) (bool, error) {
 
 const extend = `-- name: Extend :one
 SELECT e.outcome::text                AS outcome,
-       e.lease_expires_at::timestamptz AS lease_expires_at
+       coalesce(pg_catalog.round(pg_catalog.date_part('epoch', e.lease_expires_at) OPERATOR(pg_catalog.*) 1000000::double precision), 0)::bigint AS lease_expires_at_us
   FROM idem.extend($1::text, $2::text, $3::bigint,
-                   $4::bigint * interval '1 millisecond') AS e
+                   $4::bigint::double precision OPERATOR(pg_catalog.*) interval '1 millisecond') AS e
 `
 
 type ExtendParams struct {
@@ -369,8 +382,8 @@ type ExtendParams struct {
 }
 
 type ExtendRow struct {
-	Outcome        string
-	LeaseExpiresAt sql.NullTime
+	Outcome          string
+	LeaseExpiresAtUs int64
 }
 
 func (q *Queries) Extend(ctx context.Context, arg ExtendParams) (ExtendRow, error) {
@@ -381,7 +394,7 @@ func (q *Queries) Extend(ctx context.Context, arg ExtendParams) (ExtendRow, erro
 		arg.LeaseMs,
 	)
 	var i ExtendRow
-	err := row.Scan(&i.Outcome, &i.LeaseExpiresAt)
+	err := row.Scan(&i.Outcome, &i.LeaseExpiresAtUs)
 	return i, err
 }
 
@@ -488,9 +501,9 @@ func (q *Queries) FailMomentary(ctx context.Context, arg FailMomentaryParams) (s
 }
 
 const missingFunctions = `-- name: MissingFunctions :one
-SELECT coalesce(string_agg(f.sig, '; '), '')::text AS missing
-  FROM unnest(string_to_array($1::text, ';')) AS f(sig)
- WHERE to_regprocedure(f.sig) IS NULL
+SELECT coalesce(pg_catalog.string_agg(f.sig, '; '), '')::text AS missing
+  FROM pg_catalog.unnest(pg_catalog.string_to_array($1::text, ';')) AS f(sig)
+ WHERE pg_catalog.to_regprocedure(f.sig) IS NULL
 `
 
 // Which of the functions listed (regprocedure signatures, separated by ';')
@@ -530,7 +543,7 @@ func (q *Queries) Peek(ctx context.Context, arg PeekParams) (PeekRow, error) {
 
 const waitBegin = `-- name: WaitBegin :one
 SELECT idem.wait_begin($1::text, $2::text,
-                       $3::bigint * interval '1 millisecond')::bigint AS id
+                       $3::bigint::double precision OPERATOR(pg_catalog.*) interval '1 millisecond')::bigint AS id
 `
 
 type WaitBeginParams struct {

@@ -1,6 +1,10 @@
 -- The inbox's queue protocol (migration 7): a key held for a queued job,
 -- taken by each of the job's attempts with a token of its own, completed
 -- or dead-lettered. Used by package inbox; see docs/inbox.md.
+-- Operators are OPERATOR(pg_catalog.x) and the millisecond arguments
+-- double precision (an exact match), as in protocol.sql: an operator
+-- bigint * interval in a schema another role may write would otherwise run
+-- as the inbox's role (inbox.TestQueueStatementsIgnoreOtherRolesObjects).
 
 -- name: QueueHold :one
 -- dead_job_id: the job of the dead hold this one replaces, 0 for none.
@@ -14,7 +18,7 @@ SELECT t.outcome::text                  AS outcome,
        t.lease_expires_at::timestamptz  AS lease_expires_at,
        coalesce(t.error, '')::text      AS error
   FROM idem.queue_take(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.arg(job_token)::bigint,
-                       sqlc.arg(job_id)::bigint, sqlc.arg(lease_ms)::bigint * interval '1 millisecond') AS t;
+                       sqlc.arg(job_id)::bigint, sqlc.arg(lease_ms)::bigint::double precision OPERATOR(pg_catalog.*) interval '1 millisecond') AS t;
 
 -- name: QueueComplete :one
 SELECT idem.queue_complete(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.arg(job_token)::bigint,
@@ -116,7 +120,7 @@ SELECT r.outcome::text                 AS outcome,
        r.expires_at::timestamptz       AS expires_at,
        coalesce(r.error, '')::text     AS error
   FROM idem.queue_replay(sqlc.arg(source)::text, sqlc.arg(key)::text, sqlc.arg(job_token)::bigint,
-                         sqlc.narg(ttl_ms)::bigint * interval '1 millisecond') AS r;
+                         sqlc.narg(ttl_ms)::bigint::double precision OPERATOR(pg_catalog.*) interval '1 millisecond') AS r;
 
 -- name: QueueKeepPayload :one
 -- Keeps a dead letter's payload (its job's encoded args) on its hold
