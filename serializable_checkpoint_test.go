@@ -22,7 +22,7 @@ import (
 // go into every month of the window: SERIALIZABLE claims and batches of
 // new keys and duplicates answer as in READ COMMITTED, and the race of
 // TestSerializableClaimsAcrossMonths (clocks either side of a month's end)
-// still acquires every key once. Before migration 36, every SERIALIZABLE
+// still acquires every key once. Before migration 33, every SERIALIZABLE
 // claim of a new key and every SERIALIZABLE batch failed with 42501.
 func TestSerializableCheckpointUnreadable(t *testing.T) {
 	t.Parallel()

@@ -14,7 +14,7 @@ import (
 // checkpointUnreadableVersion is the migration whose
 // idem.serializable_floor falls back to the whole window when the last
 // checkpoint cannot be read.
-const checkpointUnreadableVersion = 36
+const checkpointUnreadableVersion = 33
 
 // TestUpgradeToCheckpointUnreadable: idem owned by a role that is not a
 // superuser, pg_control_checkpoint() revoked from PUBLIC, at version 32

@@ -31,7 +31,7 @@ BEGIN
     -- insert: the months from then on are enough. Otherwise (a transaction
     -- older than the checkpoint is still open, or no checkpoint can be
     -- read) every month of the window.
-    -- (version 36) A checkpoint that cannot be read (pg_control_checkpoint
+    -- (version 33) A checkpoint that cannot be read (pg_control_checkpoint
     -- revoked from PUBLIC, as some hosted services do, or not supported
     -- there) is no checkpoint: every month of the window, as for a
     -- transaction older than the checkpoint. Before, the claim failed
