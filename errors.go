@@ -32,7 +32,9 @@ var (
 	// transaction (SQLSTATE 0A000). Use READ COMMITTED or SERIALIZABLE.
 	ErrIsolationNotSupported = errors.New("idem: isolation level not supported")
 	// ErrSerialization: the transaction lost a race (SQLSTATE 40001 or
-	// 40P01); retry the whole transaction.
+	// 40P01, or on Citus XX000 "could not commit transaction for shard ...
+	// on at least one active node": a worker's part failed at commit, and
+	// the transaction was rolled back); retry the whole transaction.
 	ErrSerialization = errors.New("idem: serialization failure, retry the transaction")
 	// ErrNotMigrated: schema idem or its functions are missing; apply the
 	// migrations (idemctl migrate up, or package migrate).
@@ -208,6 +210,13 @@ func convert(op, source, key string, err error) error {
 			}
 		case sqlstate.SerializationFailure, sqlstate.DeadlockDetected:
 			e.Kind = ErrSerialization
+		case sqlstate.InternalError:
+			// Citus: a worker's part failed when the transaction was
+			// committed (a serialization failure at its commit among
+			// them); the whole transaction was rolled back.
+			if sqlstate.CitusCommitFailed(err) {
+				e.Kind = ErrSerialization
+			}
 		case sqlstate.InvalidSchemaName, sqlstate.UndefinedFunction, sqlstate.UndefinedTable:
 			e.Kind = ErrNotMigrated
 		case sqlstate.NotDelegated:
@@ -265,6 +274,9 @@ func transient(err error) bool {
 		switch code {
 		case sqlstate.InvalidSQLStatement, sqlstate.DuplicatePreparedStmt, sqlstate.LockNotAvailable:
 			return true
+		case sqlstate.InternalError:
+			// Citus' form of a failure at commit (ErrSerialization).
+			return sqlstate.CitusCommitFailed(err)
 		case sqlstate.FeatureNotSupported:
 			// pgx drops a cached statement whose plan's result type
 			// changed (a migration under a running client); sent again, it

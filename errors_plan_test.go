@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/internal/testdb"
@@ -52,5 +53,35 @@ func TestCachedPlanIsNoIsolationError(t *testing.T) {
 	_, err = testdb.Client(t, tx, nil).Claim(ctx, "s", "k")
 	if !errors.Is(err, idem.ErrIsolationNotSupported) || idem.TransientForTest(err) {
 		t.Fatalf("REPEATABLE READ: %v", err)
+	}
+}
+
+// TestCitusCommitFailedConverted: Citus' report of a worker's part that
+// failed at commit (XX000 "could not commit transaction for shard ... on at
+// least one active node", as Citus 13 words it; a serialization failure
+// at the worker's commit comes back so) is ErrSerialization and retried
+// like 40001; another XX000 is neither. (The real one, provoked on a
+// cluster: citustest.TestCitusCommitSerialization.)
+func TestCitusCommitFailedConverted(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		msg  string
+		want bool
+	}{
+		{"could not commit transaction for shard 102008 on at least one active node", true},
+		{"could not commit transaction for shard 7 on at least one active node", true},
+		{"cache lookup failed for function 12345", false},
+		{"could not commit transaction on the coordinator", false},
+	} {
+		t.Run(c.msg, func(t *testing.T) {
+			t.Parallel()
+			err := idem.ConvertForTest("claim_batch", "s", "k", &pgconn.PgError{Code: "XX000", Message: c.msg})
+			if got := errors.Is(err, idem.ErrSerialization); got != c.want {
+				t.Errorf("ErrSerialization: %v, want %v (%v)", got, c.want, err)
+			}
+			if got := idem.TransientForTest(err); got != c.want {
+				t.Errorf("transient: %v, want %v", got, c.want)
+			}
+		})
 	}
 }

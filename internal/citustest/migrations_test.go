@@ -581,10 +581,11 @@ func TestCitusUpgradeFrom13(t *testing.T) {
 	}
 }
 
-// TestCitusShardClaims (migration 28): a delegated claim is answered by the
-// claim's copy on its key's shard (idem_shard_<shard>.claim_general, PostgreSQL's
-// own cached plans): every claim of 200 keys through Do ran in a copy on
-// a worker; the application's role cannot call a copy; a shard whose copy
+// TestCitusShardClaims (migrations 28 and 33): a delegated claim is answered
+// by the claim's copy on its key's shard (idem_shard_<shard>.claim, the
+// short path, since migration 33; idem_shard_<shard>.claim_general before;
+// PostgreSQL's own cached plans): every claim of 200 keys through Do ran in
+// a copy on a worker; the application's role cannot call a copy; a shard whose copy
 // is gone is claimed as before, through Citus, and migrate.Citus makes the
 // copy again; a copy follows a claim that changed (its md5).
 func TestCitusShardClaims(t *testing.T) {
@@ -614,7 +615,7 @@ func TestCitusShardClaims(t *testing.T) {
 		var got int64
 		for deadline := time.Now().Add(40 * time.Second); ; time.Sleep(time.Second) {
 			if err := pool.QueryRow(ctx, `SELECT coalesce(sum(nullif(result, '')::bigint), 0) FROM run_command_on_workers(
-				$$SELECT coalesce(sum(calls), 0) FROM pg_stat_user_functions WHERE schemaname ~ '^idem_shard_' AND funcname = 'claim_general'$$)`).Scan(&got); err != nil {
+				$$SELECT coalesce(sum(calls), 0) FROM pg_stat_user_functions WHERE schemaname ~ '^idem_shard_' AND funcname = 'claim'$$)`).Scan(&got); err != nil {
 				t.Fatal(err)
 			}
 			if got >= want || time.Now().After(deadline) {
@@ -631,8 +632,10 @@ func TestCitusShardClaims(t *testing.T) {
 	if err := pool.QueryRow(ctx, `SELECT 'idem_shard_' || get_shard_id_for_distribution_column('idem.processed_events', 'moved'::text)`).Scan(&copy); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := app.Exec(ctx, `SELECT * FROM `+copy+`.claim_general('c', 'moved')`); codeOf(err) != "42501" {
-		t.Fatalf("the application's role calling a copy: %v, want SQLSTATE 42501", err)
+	for _, fn := range []string{"claim_general", "claim"} {
+		if _, err := app.Exec(ctx, `SELECT * FROM `+copy+`.`+fn+`('c', 'moved')`); codeOf(err) != "42501" {
+			t.Fatalf("the application's role calling a copy of %s: %v, want SQLSTATE 42501", fn, err)
+		}
 	}
 
 	// Without its copy, the shard's keys are claimed through Citus.
@@ -650,7 +653,7 @@ func TestCitusShardClaims(t *testing.T) {
 		t.Fatalf("an undelegated claim: %v, want %s", err, sqlstate.NotDelegated)
 	}
 	done, err := migrate.Citus(ctx, stdlib.OpenDBFromPool(pool))
-	if err != nil || len(done) != 1 || !strings.Contains(done[0], "made 3 copies") { // claim's, claim_batch's and (migration 30) claim_locked
+	if err != nil || len(done) != 1 || !strings.Contains(done[0], "made 4 copies") { // claim_general's, claim_batch's, (migration 30) claim_locked, (33) claim's
 		t.Fatalf("migrate.Citus after a copy was dropped: %q %v", done, err)
 	}
 

@@ -11,6 +11,7 @@ package sqlstate
 
 import (
 	"errors"
+	"strings"
 
 	"github.com/jackc/pgx/v5/pgconn"
 )
@@ -63,6 +64,27 @@ const (
 	SerializationFailure  = "40001"
 	DeadlockDetected      = "40P01"
 )
+
+// InternalError is PostgreSQL's XX000, which Citus raises for a worker's
+// failure found when it commits a distributed transaction
+// (CitusCommitFailed).
+const InternalError = "XX000"
+
+// CitusCommitFailed reports whether err is Citus' report that a worker's
+// part of a transaction failed when Citus committed it: SQLSTATE XX000,
+// "could not commit transaction for shard <id> on at least one active
+// node" (Citus 13, ErrorIfPostCommitFailedShardPlacements), raised on the
+// coordinator before it commits, so the whole transaction is rolled back
+// (in two phases: every worker's prepared part too). The worker's own
+// error (40001 for a serialization failure found at its commit) reaches
+// the client only as a warning before it. Like 40001 it means: run the
+// transaction again.
+func CitusCommitFailed(err error) bool {
+	var pg *pgconn.PgError
+	return errors.As(err, &pg) && pg.Code == InternalError &&
+		strings.HasPrefix(pg.Message, "could not commit transaction for shard ") &&
+		strings.HasSuffix(pg.Message, " on at least one active node")
+}
 
 // PostgreSQL's conditions raised by the server, not by idem.
 const (

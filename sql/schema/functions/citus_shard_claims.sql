@@ -122,6 +122,68 @@ BEGIN
         EXECUTE format('COMMENT ON FUNCTION %s IS %L', v_fn, 'idem: claim_locked ' || v_sum);
         v_made := v_made + 1;
     END LOOP;
+    -- (migration 33) idem_shard_<shard>.claim: idem.claim's own definition
+    -- (its short path) without its Citus dispatch, what it reads from
+    -- idem.claim_settings read from this node's copies of the tables that
+    -- are derived into it, its idem.claim_general the shard's copy, on the
+    -- shard's tables (idem.citus_claim_short_definition). idem.claim calls it
+    -- on the node holding the key's shard. Made again when idem.claim (or
+    -- the cut) changed; when it cannot be cut (a marker gone or there
+    -- twice), none is made (and the old ones are dropped), and this says so:
+    -- claims then go through the copies of idem.claim_general, as before.
+    v_sum := md5(pg_get_functiondef('idem.claim(text, text, text, interval, interval, text, interval)'::regprocedure)
+                 || pg_get_functiondef('idem.citus_claim_short_definition(text, text)'::regprocedure));
+    v_stmt := idem.citus_claim_short_definition('idem', 'idem.claim_general');
+    IF v_stmt IS NULL THEN
+        RETURN NEXT 'made no copy of claim on the shards: idem.claim has not its -- <citus_dispatch> and -- <claim_settings> blocks once each; claims go through the shards'' copies of claim_general';
+    END IF;
+    FOR s IN SELECT pe.shardid, h.shardid AS holds_shard
+               FROM pg_dist_shard pe
+               JOIN pg_dist_shard h ON h.logicalrelid = 'idem.holds'::regclass AND h.shardminvalue = pe.shardminvalue
+              WHERE pe.logicalrelid = 'idem.processed_events'::regclass
+              ORDER BY pe.shardid LOOP
+        v_schema := 'idem_shard_' || s.shardid;
+        v_fn := v_schema || '.claim(text, text, text, interval, interval, text, interval)';
+        IF v_stmt IS NULL THEN
+            IF to_regprocedure(v_fn) IS NOT NULL THEN
+                EXECUTE format('DROP FUNCTION %s', v_fn);
+            END IF;
+            CONTINUE;
+        END IF;
+        CONTINUE WHEN to_regprocedure(v_fn) IS NOT NULL
+                  AND obj_description(to_regprocedure(v_fn), 'pg_proc') = 'idem: claim ' || v_sum;
+        EXECUTE format('CREATE SCHEMA IF NOT EXISTS %I', v_schema);
+        EXECUTE idem.citus_on_shard(idem.citus_claim_short_definition(v_schema, v_schema || '.claim_general'),
+                                    s.shardid, s.holds_shard);
+        -- Its owner's only, and called only by idem.citus_claim_local,
+        -- called only by idem.claim, whose settings it runs with: idem.claim's
+        -- search_path and idem.citus (on: idem.claim_weight, no
+        -- SERIALIZABLE placeholders, as the copy of idem.claim_general),
+        -- idem.citus_claim_local's plan_cache_mode (PostgreSQL's plans,
+        -- cached), idem.claim's owner. So no SET clause and no SECURITY
+        -- DEFINER of its own: each cost a claim about 0.06-0.1 ms of a
+        -- worker's CPU (a changed search_path has every cached plan
+        -- checked again).
+        EXECUTE format('ALTER FUNCTION %s RESET ALL', v_fn);
+        EXECUTE format('ALTER FUNCTION %s SECURITY INVOKER', v_fn);
+        EXECUTE format('REVOKE ALL ON FUNCTION %s FROM PUBLIC', v_fn);
+        EXECUTE format('COMMENT ON FUNCTION %s IS %L', v_fn, 'idem: claim ' || v_sum);
+        v_made := v_made + 1;
+    END LOOP;
+    -- idem.citus_claim_local, which calls them, with a branch for each
+    -- shard that has one (none when none is made), made again when that
+    -- changed (its definition's md5 in its comment).
+    v_stmt := idem.citus_claim_local_definition(ARRAY(
+        SELECT pe.shardid FROM pg_dist_shard pe
+         WHERE pe.logicalrelid = 'idem.processed_events'::regclass
+           AND to_regprocedure('idem_shard_' || pe.shardid || '.claim(text, text, text, interval, interval, text, interval)') IS NOT NULL
+         ORDER BY pe.shardid));
+    IF obj_description('idem.citus_claim_local(text, text, text, interval, interval, text, interval)'::regprocedure, 'pg_proc')
+       IS DISTINCT FROM 'idem: citus_claim_local ' || md5(v_stmt) THEN
+        EXECUTE v_stmt;
+        EXECUTE format('COMMENT ON FUNCTION idem.citus_claim_local(text, text, text, interval, interval, text, interval) IS %L',
+                       'idem: citus_claim_local ' || md5(v_stmt));
+    END IF;
     -- Copies of shards that are gone (a shard split, idem distributed again).
     FOR v_schema IN SELECT n.nspname FROM pg_namespace n
                      WHERE n.nspname ~ '^idem_shard_[0-9]+$'
@@ -132,7 +194,7 @@ BEGIN
         v_gone := v_gone + 1;
     END LOOP;
     IF v_made > 0 THEN
-        RETURN NEXT format('made %s copies of claim, claim_batch and claim_locked on the shards (schemas idem_shard_<shard>)', v_made);
+        RETURN NEXT format('made %s copies of claim, claim_general, claim_batch and claim_locked on the shards (schemas idem_shard_<shard>)', v_made);
     END IF;
     IF v_gone > 0 THEN
         RETURN NEXT format('dropped the copies of %s shards that are gone', v_gone);
@@ -140,4 +202,4 @@ BEGIN
 END
 $function$;
 
-COMMENT ON FUNCTION idem.citus_shard_claims() IS 'On Citus (run by idem.citus_setup): for each shard of idem.processed_events, idem_shard_<shard>.claim_general and .claim_batch, idem.claim_general''s and idem.claim_batch''s definitions on that shard''s tables, and .claim_locked, idem.claim_batch''s statement that answers its locked keys, made again when they changed; the schemas of shards that are gone are dropped; idem.citus_claim_batch set to run with idem.citus on.';
+COMMENT ON FUNCTION idem.citus_shard_claims() IS 'On Citus (run by idem.citus_setup): for each shard of idem.processed_events, idem_shard_<shard>.claim_general and .claim_batch, idem.claim_general''s and idem.claim_batch''s definitions on that shard''s tables, .claim_locked, idem.claim_batch''s statement that answers its locked keys, and .claim, idem.claim''s short path (idem.citus_claim_short_definition), made again when they changed; the schemas of shards that are gone are dropped; idem.citus_claim_batch set to run with idem.citus on.';

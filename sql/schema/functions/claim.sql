@@ -16,13 +16,38 @@ DECLARE
     r          record;
     v_weight   integer;
 BEGIN
+    -- <citus_dispatch>
+    -- (migration 33) On Citus (idem.citus_setup sets idem.citus on this
+    -- function; a session's own idem.citus is not Citus: without Citus'
+    -- catalog it is ignored): the claim of the key's shard by this
+    -- function's copy there (idem_shard_<shard>.claim, made by
+    -- idem.citus_shard_claims from this definition: everything below on the
+    -- shard's tables, what idem.claim_settings says read from this node's
+    -- copies of the tables it is derived from), called by
+    -- idem.citus_claim_local (one expression, no statement planned). A key
+    -- whose shard is not on this node (refused there, ID005) or has no
+    -- copy: no outcome, and idem.claim_general. The copy is made without
+    -- this block.
+    IF current_setting('idem.citus', true) IS NOT DISTINCT FROM 'on' AND to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL THEN
+        r := idem.citus_claim_local(claim.source, claim.key, claim.fingerprint, claim.ttl, claim.lease, claim.event_type, claim.lock_wait);
+        IF r.outcome IS NOT NULL THEN
+            outcome := r.outcome; token := r.token; attempt := r.attempt; lease_expires_at := r.lease_expires_at;
+            result := r.result; error := r.error; first_seen := r.first_seen; expires_at := r.expires_at;
+            lease_remaining := r.lease_remaining;
+            RETURN;
+        END IF;
+        SELECT * INTO outcome, token, attempt, lease_expires_at, result, error, first_seen, expires_at, lease_remaining
+          FROM idem.claim_general(claim.source, claim.key, claim.fingerprint, claim.ttl, claim.lease, claim.event_type, claim.lock_wait);
+        RETURN;
+    END IF;
+    -- </citus_dispatch>
     -- The short path: the key's lock free, the source's row in
     -- idem.claim_settings (its policy, its lookback, and whether it has
     -- holds or an adoption in progress, kept by triggers in the same
     -- transaction as every change of them), and then one of the two
     -- common answers: a duplicate from its settled row, or a new key
     -- inserted. Everything else is idem.claim_general's, called before
-    -- anything is written: bad input, REPEATABLE READ, Citus, another claim
+    -- anything is written: bad input, REPEATABLE READ, another claim
     -- of the key in an open transaction, a lookback to raise, a lost lease
     -- or retryable failure to take over, a hold, an adoption in progress,
     -- an expired row of the key in the current month. A new key in a
@@ -36,7 +61,6 @@ BEGIN
        OR (claim.ttl IS NOT NULL AND NOT (claim.ttl >= interval '1 minute' AND claim.ttl <= interval '10 years'))
        OR (claim.lease IS NOT NULL AND NOT (claim.lease >= interval '1 second' AND claim.lease <= interval '7 days'))
        OR (claim.lock_wait IS NOT NULL AND NOT (claim.lock_wait >= interval '0' AND claim.lock_wait <= interval '1 hour'))
-       OR (current_setting('idem.citus', true) IS NOT DISTINCT FROM 'on' AND to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL)
        OR NOT pg_try_advisory_xact_lock(1768187245, hashtext(claim.source || chr(31) || claim.key)) THEN
         SELECT * INTO outcome, token, attempt, lease_expires_at, result, error, first_seen, expires_at, lease_remaining
           FROM idem.claim_general(claim.source, claim.key, claim.fingerprint, claim.ttl, claim.lease, claim.event_type, claim.lock_wait);
@@ -45,6 +69,9 @@ BEGIN
     -- Read after the key's lock, as claim_general reads the tables it is
     -- made from: every raise of the lookback by a write of this key is in it.
     -- A source with no row of its own yet claims with the default's.
+    -- (The shards' copies on Citus read what stands between these markers
+    -- from the tables it is derived from: idem.citus_claim_short_definition.)
+    -- <claim_settings>
     SELECT c.ttl, c.lease, c.duplicate_sampling, c.count_per_key, c.lookback, c.holds, c.adopting
       INTO s FROM idem.claim_settings c WHERE c.source = claim.source;
     IF NOT FOUND THEN
@@ -59,6 +86,7 @@ BEGIN
             PERFORM idem.claim_settings_refresh(claim.source);
         END IF;
     END IF;
+    -- </claim_settings>
     v_now := idem.clock();
     IF NOT FOUND OR s.adopting
        OR coalesce(claim.lease, s.lease) > coalesce(claim.ttl, s.ttl)
@@ -104,8 +132,9 @@ BEGIN
     END IF;
     -- SERIALIZABLE: the placeholders that meet a claim of this key
     -- committed into another month after this transaction's snapshot
-    -- (idem.serializable_placeholders), as idem.claim_general writes them.
-    IF v_iso = 'serializable' THEN
+    -- (idem.serializable_placeholders), as idem.claim_general writes them
+    -- (not on Citus, as idem.claim_general: the copies run with idem.citus on).
+    IF v_iso = 'serializable' AND (current_setting('idem.citus', true) IS DISTINCT FROM 'on' OR to_regclass('pg_catalog.pg_dist_partition') IS NULL) THEN
         PERFORM idem.serializable_placeholders(claim.source, claim.key, v_now,
                     idem.window_start(v_now, s.lookback), idem.utc_month(v_now + interval '1 day'));
     END IF;
