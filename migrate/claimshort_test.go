@@ -10,9 +10,9 @@ import (
 
 // citusShortVersion is the migration that answers a delegated claim on
 // Citus by idem.claim's short path on the key's shard.
-const citusShortVersion = 33
+const citusShortVersion = 34
 
-// TestClaimShortCut (migration 33): on a single node, the short path's copy
+// TestClaimShortCut (migration 34): on a single node, the short path's copy
 // that idem.citus_claim_short_definition cuts from idem.claim (what each
 // shard gets on Citus, here on idem's own tables) answers every state as
 // idem.claim does (a new key, a completed one, one in progress, a
@@ -155,7 +155,7 @@ func TestClaimShortCut(t *testing.T) {
 	}
 }
 
-// TestUpgradeToCitusShort (migration 33): from version 32 holding data,
+// TestUpgradeToCitusShort (migration 34): from version 32 holding data,
 // the upgrade keeps every answer on a single node and idem.claim's
 // statements (only its Citus part moved into a block of its own); down
 // restores version 32's idem.claim and drops the new functions; up again.
@@ -204,6 +204,6 @@ func TestUpgradeToCitusShort(t *testing.T) {
 }
 
 // TestUpgradeFrom32EveryState: the every-state fixture at version 32
-// migrated up to the latest version (migration 33's idem.claim): every key
-// answers as before.
+// migrated up to the latest version (migration 33's checkpoint fallback,
+// migration 34's idem.claim): every key answers as before.
 func TestUpgradeFrom32EveryState(t *testing.T) { testUpgradeEveryState(t, 32) }

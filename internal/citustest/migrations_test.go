@@ -581,9 +581,9 @@ func TestCitusUpgradeFrom13(t *testing.T) {
 	}
 }
 
-// TestCitusShardClaims (migrations 28 and 33): a delegated claim is answered
+// TestCitusShardClaims (migrations 28 and 34): a delegated claim is answered
 // by the claim's copy on its key's shard (idem_shard_<shard>.claim, the
-// short path, since migration 33; idem_shard_<shard>.claim_general before;
+// short path, since migration 34; idem_shard_<shard>.claim_general before;
 // PostgreSQL's own cached plans): every claim of 200 keys through Do ran in
 // a copy on a worker; the application's role cannot call a copy; a shard whose copy
 // is gone is claimed as before, through Citus, and migrate.Citus makes the
@@ -653,7 +653,7 @@ func TestCitusShardClaims(t *testing.T) {
 		t.Fatalf("an undelegated claim: %v, want %s", err, sqlstate.NotDelegated)
 	}
 	done, err := migrate.Citus(ctx, stdlib.OpenDBFromPool(pool))
-	if err != nil || len(done) != 1 || !strings.Contains(done[0], "made 4 copies") { // claim_general's, claim_batch's, (migration 30) claim_locked, (33) claim's
+	if err != nil || len(done) != 1 || !strings.Contains(done[0], "made 4 copies") { // claim_general's, claim_batch's, (migration 30) claim_locked, (34) claim's
 		t.Fatalf("migrate.Citus after a copy was dropped: %q %v", done, err)
 	}
 

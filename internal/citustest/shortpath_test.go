@@ -15,7 +15,7 @@ import (
 	"github.com/idemkit/idem/internal/testdb"
 )
 
-// TestCitusShortPath (migration 33): a delegated claim is answered by
+// TestCitusShortPath (migration 34): a delegated claim is answered by
 // idem.claim's short path on its key's shard (idem_shard_<shard>.claim,
 // called by idem.citus_claim_local): 100 new keys through Do and 10 of
 // them again ran there, none in a copy of idem.claim_general; a policy

@@ -25,7 +25,7 @@ DECLARE
     v_shard bigint;
     r       record;
 BEGIN
-    -- (Made by idem.citus_shard_claims, migration 33.) On Citus, for
+    -- (Made by idem.citus_shard_claims, migration 34.) On Citus, for
     -- idem.claim: the claim by the short path's copy on the key's shard
     -- when the shard is placed on this node and has one, else no outcome
     -- (idem.claim then calls idem.claim_general, which refuses a key of

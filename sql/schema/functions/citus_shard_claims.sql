@@ -122,7 +122,7 @@ BEGIN
         EXECUTE format('COMMENT ON FUNCTION %s IS %L', v_fn, 'idem: claim_locked ' || v_sum);
         v_made := v_made + 1;
     END LOOP;
-    -- (migration 33) idem_shard_<shard>.claim: idem.claim's own definition
+    -- (migration 34) idem_shard_<shard>.claim: idem.claim's own definition
     -- (its short path) without its Citus dispatch, what it reads from
     -- idem.claim_settings read from this node's copies of the tables that
     -- are derived into it, its idem.claim_general the shard's copy, on the

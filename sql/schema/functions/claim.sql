@@ -17,7 +17,7 @@ DECLARE
     v_weight   integer;
 BEGIN
     -- <citus_dispatch>
-    -- (migration 33) On Citus (idem.citus_setup sets idem.citus on this
+    -- (migration 34) On Citus (idem.citus_setup sets idem.citus on this
     -- function; a session's own idem.citus is not Citus: without Citus'
     -- catalog it is ignored): the claim of the key's shard by this
     -- function's copy there (idem_shard_<shard>.claim, made by

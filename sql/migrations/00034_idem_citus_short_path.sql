@@ -1,4 +1,4 @@
--- idem 33 (Citus): a delegated claim answered by the short path on its
+-- idem 34 (Citus): a delegated claim answered by the short path on its
 -- shard; Citus' serialization failure at commit is retryable in Go.
 --
 -- On Citus idem.claim always called idem.claim_general, whose copy on the
@@ -78,7 +78,7 @@ DECLARE
     v_shard bigint;
     r       record;
 BEGIN
-    -- (Made by idem.citus_shard_claims, migration 33.) On Citus, for
+    -- (Made by idem.citus_shard_claims, migration 34.) On Citus, for
     -- idem.claim: the claim by the short path's copy on the key's shard
     -- when the shard is placed on this node and has one, else no outcome
     -- (idem.claim then calls idem.claim_general, which refuses a key of
@@ -184,7 +184,7 @@ DECLARE
     v_weight   integer;
 BEGIN
     -- <citus_dispatch>
-    -- (migration 33) On Citus (idem.citus_setup sets idem.citus on this
+    -- (migration 34) On Citus (idem.citus_setup sets idem.citus on this
     -- function; a session's own idem.citus is not Citus: without Citus'
     -- catalog it is ignored): the claim of the key's shard by this
     -- function's copy there (idem_shard_<shard>.claim, made by
@@ -458,7 +458,7 @@ BEGIN
         EXECUTE format('COMMENT ON FUNCTION %s IS %L', v_fn, 'idem: claim_locked ' || v_sum);
         v_made := v_made + 1;
     END LOOP;
-    -- (migration 33) idem_shard_<shard>.claim: idem.claim's own definition
+    -- (migration 34) idem_shard_<shard>.claim: idem.claim's own definition
     -- (its short path) without its Citus dispatch, what it reads from
     -- idem.claim_settings read from this node's copies of the tables that
     -- are derived into it, its idem.claim_general the shard's copy, on the
