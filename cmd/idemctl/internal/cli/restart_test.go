@@ -21,15 +21,7 @@ import (
 func TestRunDatabaseRestartFreesLock(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	cl, err := pgcluster.Start(ctx)
-	if err != nil {
-		t.Fatalf("this test restarts a server of its own and needs the PostgreSQL server binaries: %v (%s)", err, pgcluster.InstallHint)
-	}
-	defer cl.Stop()
-	url := cl.URL("postgres")
-	if r := idemctl(t, ctx, nil, "migrate", "up", "--database-url", url, "--river=false"); r.code != 0 {
-		t.Fatalf("migrate up: %+v", r)
-	}
+	cl, url := ownMigratedServer(t, ctx, "restarts")
 	end := blockedRotation(t, ctx, url)
 	defer end()
 
@@ -109,15 +101,7 @@ func TestRunDatabaseRestartFreesLock(t *testing.T) {
 func TestSIGTERMWhileDatabaseDown(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	cl, err := pgcluster.Start(ctx)
-	if err != nil {
-		t.Fatalf("this test stops a server of its own and needs the PostgreSQL server binaries: %v (%s)", err, pgcluster.InstallHint)
-	}
-	defer cl.Stop()
-	url := cl.URL("postgres")
-	if r := idemctl(t, ctx, nil, "migrate", "up", "--database-url", url, "--river=false"); r.code != 0 {
-		t.Fatalf("migrate up: %+v", r)
-	}
+	cl, url := ownMigratedServer(t, ctx, "stops")
 	end := blockedRotation(t, ctx, url)
 	defer end()
 
@@ -171,4 +155,21 @@ func TestSIGTERMWhileDatabaseDown(t *testing.T) {
 	if r := idemctl(t, ctx, nil, "partitions", "rotate", "--database-url", url, "--fail-if-locked"); r.code != 0 {
 		t.Fatalf("the next rotation: %+v\nthe SIGTERMed one:\n%s", r, out.String())
 	}
+}
+
+// ownMigratedServer starts a throwaway server for a test that restarts or
+// stops it (what names that), migrated by idemctl; it is stopped when the
+// test ends.
+func ownMigratedServer(t *testing.T, ctx context.Context, what string) (*pgcluster.Cluster, string) {
+	t.Helper()
+	cl, err := pgcluster.Start(ctx)
+	if err != nil {
+		t.Fatalf("this test %s a server of its own and needs the PostgreSQL server binaries: %v (%s)", what, err, pgcluster.InstallHint)
+	}
+	t.Cleanup(cl.Stop)
+	url := cl.URL("postgres")
+	if r := idemctl(t, ctx, nil, "migrate", "up", "--database-url", url, "--river=false"); r.code != 0 {
+		t.Fatalf("migrate up: %+v", r)
+	}
+	return cl, url
 }
