@@ -175,7 +175,8 @@ type Config struct {
 	// handler's context is detached from the request's: a sender that
 	// times out and hangs up does not cancel work that has started, and
 	// its answer is still recorded, so the sender's retry is answered from
-	// it instead of running the work again. Default (0) 1 minute.
+	// it instead of running the work again. It runs from the claim on, so
+	// the claim's round trip counts against it. Default (0) 1 minute.
 	HandlerTimeout time.Duration
 	// Logger receives warnings. Default slog.Default().
 	Logger *slog.Logger

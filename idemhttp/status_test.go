@@ -112,7 +112,10 @@ var statusRows = []statusRow{
 			panic("boom")
 		}},
 	{name: "timeout", first: 503, problem: true, retry: 503, runs: 2, attempts: 2,
-		cfg: func(c *idemhttp.Config) { c.HandlerTimeout = 300 * time.Millisecond },
+		// HandlerTimeout bounds the claim's round trip as well as the
+		// handler: at 300 ms a claim slowed by a loaded CI machine ran out
+		// of it before the handler started (503, the handler not run).
+		cfg: func(c *idemhttp.Config) { c.HandlerTimeout = 2 * time.Second },
 		handler: func(_ *rowEnv, _ http.ResponseWriter, r *http.Request) {
 			<-r.Context().Done() // returns on the cancelled context, writes nothing
 		}},
